@@ -1,0 +1,146 @@
+// Shared helpers for jax_ls2 kernels and FFI handlers: dtype dispatch, CUDA error
+// mapping, vectorised access, reductions and the dropout hash.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ls2 {
+namespace ffi = xla::ffi;
+
+// ---------------------------------------------------------------- dispatch
+// Calls fn(T{}) with T = float, __half or __nv_bfloat16 for the buffer's dtype,
+// or returns InvalidArgument naming the op.
+template <typename Fn>
+ffi::Error DispatchFloat(ffi::DataType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32: return fn(float{});
+    case ffi::DataType::F16: return fn(__half{});
+    case ffi::DataType::BF16: return fn(__nv_bfloat16{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": unsupported dtype (expected float32, float16 or bfloat16)");
+  }
+}
+
+// Turns the last CUDA error into an FFI error naming the op.
+inline ffi::Error LastCudaError(const char* op) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+// Number of rows when the last dimension is the row length.
+inline int64_t LeadingCount(const ffi::AnyBuffer& buf) {
+  auto dims = buf.dimensions();
+  int64_t n = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) n *= dims[i];
+  return n;
+}
+inline int64_t LastDim(const ffi::AnyBuffer& buf) {
+  auto dims = buf.dimensions();
+  return dims.empty() ? 1 : dims[dims.size() - 1];
+}
+
+// ---------------------------------------------------------------- conversion
+template <typename T> __device__ __forceinline__ float ToFloat(T v);
+template <> __device__ __forceinline__ float ToFloat<float>(float v) { return v; }
+template <> __device__ __forceinline__ float ToFloat<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T FromFloat(float v);
+template <> __device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half FromFloat<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// A pack of N elements of T moved as one aligned load/store (16 bytes when possible).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T>
+constexpr int kPack = 16 / sizeof(T);  // elements per 16-byte access
+
+template <typename T, int N>
+__device__ __forceinline__ void LoadFloats(const T* p, float (&out)[N]) {
+  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = ToFloat(pk.v[i]);
+}
+template <typename T, int N>
+__device__ __forceinline__ void StoreFloats(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = FromFloat<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+// ---------------------------------------------------------------- reductions
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats.
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = WarpSum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0.f;
+  return WarpSum(v);
+}
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = WarpMax(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : -INFINITY;
+  return WarpMax(v);
+}
+
+// ---------------------------------------------------------------- dropout
+// Counter-based dropout, mirrored bit for bit by jax_ls2/_random.py.
+// seed = (k0, k1, offset): the two words of the JAX key and an element offset
+// (non-zero only for shards of a partitioned array). Element i (global index
+// g = offset + i) is kept iff the 16-bit draw u16(g) >= threshold, where
+// threshold = round(rate * 65536); u16(g) is half of Hash(g >> 1).
+__device__ __forceinline__ uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+__device__ __forceinline__ uint32_t DropoutHash(uint32_t pair, uint32_t k0, uint32_t k1) {
+  return Mix32(Mix32(pair * 0x9e3779b1u ^ k0) ^ k1);
+}
+struct DropoutSeed {
+  uint32_t k0, k1, offset;
+};
+// Keep flag for global element index g.
+__device__ __forceinline__ bool DropoutKeep(uint32_t g, const DropoutSeed& s, uint32_t threshold) {
+  uint32_t h = DropoutHash(g >> 1, s.k0, s.k1);
+  uint32_t u = (g & 1u) ? (h >> 16) : (h & 0xffffu);
+  return u >= threshold;
+}
+
+}  // namespace jax_ls2

@@ -1,0 +1,32 @@
+// Target registry: every FFI handler file registers its targets with
+// JAX_LS2_REGISTER at static-initialisation time; module.cc exposes the table.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace jax_ls2 {
+
+struct Target {
+  std::string name;
+  void* handler;  // XLA_FFI_Handler*
+};
+
+inline std::vector<Target>& Targets() {
+  static std::vector<Target> targets;
+  return targets;
+}
+
+struct Registrar {
+  Registrar(const char* name, void* handler) { Targets().push_back({name, handler}); }
+};
+
+}  // namespace jax_ls2
+
+#define JAX_LS2_CONCAT_INNER(a, b) a##b
+#define JAX_LS2_CONCAT(a, b) JAX_LS2_CONCAT_INNER(a, b)
+// JAX_LS2_REGISTER("jax_ls2_layer_norm_fwd", LayerNormFwd) where LayerNormFwd was
+// defined with XLA_FFI_DEFINE_HANDLER_SYMBOL.
+#define JAX_LS2_REGISTER(target_name, symbol)                                   \
+  static ::jax_ls2::Registrar JAX_LS2_CONCAT(jax_ls2_registrar_, __LINE__)(      \
+      target_name, reinterpret_cast<void*>(symbol))

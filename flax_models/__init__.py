@@ -1,0 +1,1 @@
+"""Model zoo: BERT, GPT, encoder-decoder Transformer and ViT, each with a plain-Flax twin."""

@@ -1,0 +1,236 @@
+"""Plumbing shared by every op: one `FusedKernel` is a pure-JAX reference and a CUDA
+FFI call of the same math, composed as
+
+    custom_vmap( custom_partitioning( platform_dependent(cuda=..., default=reference) ) )
+
+so that a single jitted function runs on any backend, batches under ``vmap``, and
+partitions along batch-like dimensions under ``jit`` with sharded inputs without
+gathering them. The ops put ``jax.custom_vjp`` outside, with the forward and the
+backward each a `FusedKernel`.
+
+Operands and results are described by `Role`s:
+
+* ``ROWS``: shape ``(*lead, *tail)``; the ``lead`` dims are batch-like (shardable,
+  foldable under vmap), the last ``tail`` dims are processed whole. All ROWS
+  operands and results of a kernel share the same ``lead`` dims.
+* ``BCAST``: like ROWS but each lead dim is either the full size or 1 (broadcast).
+* ``PARAM``: replicated (weights such as LayerNorm's gamma).
+* ``SEED``: the uint32[3] dropout seed (replicated; under partitioning its offset
+  word is advanced by the shard's position so shards draw different masks).
+* ``SUM`` (results only): reduced over all lead dims (parameter gradients); summed
+  across shards with ``psum``.
+
+Environment: ``JAX_LS2_IMPL=auto|cuda|reference`` (default auto: the kernels where
+the platform is CUDA and the extension is built).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_ls2 import _ffi
+
+ROWS, BCAST, PARAM, SEED, SUM = "rows", "bcast", "param", "seed", "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    kind: str
+    tail: int = 0  # ROWS/BCAST: number of trailing dims that are not batch-like
+
+
+def _impl_mode() -> str:
+    mode = os.environ.get("JAX_LS2_IMPL", "auto").lower()
+    if mode not in ("auto", "cuda", "reference"):
+        raise ValueError(f"JAX_LS2_IMPL must be 'auto', 'cuda' or 'reference', got {mode!r}")
+    return mode
+
+
+class FusedKernel:
+    """A reference/CUDA pair with vmap and partitioning rules.
+
+    Args:
+      name: FFI target name of the CUDA kernel (its presence in the extension gates use).
+      reference: ``reference(*arrays, **static) -> tuple of arrays`` in pure JAX.
+      cuda: ``cuda(*arrays, **static) -> tuple of arrays`` built from ``jax.ffi.ffi_call``.
+      operands, results: one `Role` per array.
+    """
+
+    def __init__(self, name: str, reference: Callable, cuda: Callable,
+                 operands: Sequence[Role], results: Sequence[Role]):
+        self.name = name
+        self.reference = reference
+        self.cuda = cuda
+        self.operands = tuple(operands)
+        self.results = tuple(results)
+        rows = [i for i, r in enumerate(self.operands) if r.kind == ROWS]
+        if not rows:
+            raise ValueError(f"{name}: a FusedKernel needs at least one ROWS operand")
+        self._rows_index = rows[0]
+        self._seed_index = next((i for i, r in enumerate(self.operands) if r.kind == SEED), None)
+
+    def __call__(self, *args, **static):
+        return self._vmappable(tuple(sorted(static.items())))(*args)
+
+    # ------------------------------------------------------------------ dispatch
+    def _impl(self, static: dict):
+        reference = lambda *a: tuple(self.reference(*a, **static))
+        mode = _impl_mode()
+        if mode == "reference":
+            return reference
+        if not _ffi.has_target(self.name):
+            if mode == "cuda":
+                _ffi.require_cuda(self.name)
+                raise RuntimeError(f"{self.name}: this FFI target is missing from the built extension. "
+                                   f"{_ffi.REBUILD_HINT}")
+            return reference
+        cuda = lambda *a: tuple(self.cuda(*a, **static))
+        return lambda *a: jax.lax.platform_dependent(*a, cuda=cuda, default=reference)
+
+    def _lead(self, shapes) -> int:
+        return len(shapes[self._rows_index]) - self.operands[self._rows_index].tail
+
+    # ------------------------------------------------------------------ partitioning
+    @functools.lru_cache(maxsize=None)
+    def _partitioned(self, static_items: tuple):
+        static = dict(static_items)
+        impl = self._impl(static)
+        kernel = self
+
+        @custom_partitioning
+        def fn(*args):
+            return impl(*args)
+
+        def lead_spec_of(arg_shapes):
+            rows = arg_shapes[kernel._rows_index]
+            lead = kernel._lead([a.shape for a in arg_shapes])
+            spec = tuple(rows.sharding.spec) + (None,) * (len(rows.shape) - len(rows.sharding.spec))
+            return spec[:lead], rows.shape[:lead]
+
+        def spec_for(role, shape, lead_spec, lead_shape):
+            if role.kind == ROWS:
+                return P(*lead_spec, *([None] * role.tail))
+            if role.kind == BCAST:
+                dims = [lead_spec[i] if shape[i] == lead_shape[i] and shape[i] > 1 else None
+                        for i in range(len(lead_spec))]
+                return P(*dims, *([None] * role.tail))
+            return P()
+
+        def partition(mesh, arg_shapes, result_shape):
+            lead_spec, lead_shape = lead_spec_of(arg_shapes)
+            arg_shardings = tuple(
+                NamedSharding(mesh, spec_for(r, a.shape, lead_spec, lead_shape))
+                for r, a in zip(kernel.operands, arg_shapes))
+            result_shapes = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+            result_shardings = tuple(
+                NamedSharding(mesh, spec_for(r, s.shape, lead_spec, lead_shape))
+                for r, s in zip(kernel.results, result_shapes))
+            axes = []
+            for entry in lead_spec:
+                if entry is None:
+                    continue
+                axes += list(entry) if isinstance(entry, tuple) else [entry]
+
+            def lower_fn(*args):
+                args = list(args)
+                if axes and kernel._seed_index is not None:
+                    shard = 0
+                    for name in axes:
+                        shard = shard * mesh.shape[name] + jax.lax.axis_index(name)
+                    local = math.prod(args[kernel._rows_index].shape)
+                    seed = args[kernel._seed_index]
+                    args[kernel._seed_index] = seed.at[2].add(
+                        (shard * local).astype(jnp.uint32))
+                outs = impl(*args)
+                outs = tuple(jax.lax.psum(o, tuple(axes)) if r.kind == SUM and axes else o
+                             for r, o in zip(kernel.results, outs))
+                return outs
+
+            return mesh, lower_fn, result_shardings, arg_shardings
+
+        def sharding_rule(mesh, arg_types, result_types):
+            shapes = [a.shape for a in arg_types]
+            lead = kernel._lead(shapes)
+            lead_shape = shapes[kernel._rows_index][:lead]
+            counter = iter(range(10_000))
+            replicated = []
+
+            def fresh():
+                name = f"r{next(counter)}"
+                replicated.append(name)
+                return name
+
+            def mapping(role, shape):
+                if role.kind == ROWS:
+                    return tuple(f"b{i}" for i in range(lead)) + tuple(fresh() for _ in range(role.tail))
+                if role.kind == BCAST:
+                    dims = tuple(f"b{i}" if shape[i] == lead_shape[i] and shape[i] > 1 else fresh()
+                                 for i in range(lead))
+                    return dims + tuple(fresh() for _ in range(role.tail))
+                return tuple(fresh() for _ in shape)
+
+            results = result_types if isinstance(result_types, (tuple, list)) else (result_types,)
+            ops = tuple(mapping(r, a.shape) for r, a in zip(kernel.operands, arg_types))
+            res = tuple(mapping(r, a.shape) for r, a in zip(kernel.results, results))
+            return SdyShardingRule(ops, res, need_replication_factors=tuple(replicated))
+
+        fn.def_partition(partition=partition, sharding_rule=sharding_rule)
+        return fn
+
+    # ------------------------------------------------------------------ batching
+    @functools.lru_cache(maxsize=None)
+    def _vmappable(self, static_items: tuple):
+        partitioned = self._partitioned(static_items)
+        kernel = self
+
+        @jax.custom_batching.custom_vmap
+        def fn(*args):
+            return partitioned(*args)
+
+        @fn.def_vmap
+        def rule(axis_size, in_batched, *args):
+            foldable = all(not b or r.kind in (ROWS, BCAST) for b, r in zip(in_batched, kernel.operands))
+            foldable = foldable and all(r.kind != SUM for r in kernel.results)
+            if foldable:
+                folded = []
+                for a, b, r in zip(args, in_batched, kernel.operands):
+                    if r.kind == ROWS and not b:
+                        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+                    elif r.kind == BCAST and not b:
+                        a = a[None]
+                    folded.append(a)
+                outs = fn(*folded)
+            else:
+                batched = [a for a, b in zip(args, in_batched) if b]
+
+                def one(xs):
+                    it = iter(xs)
+                    return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+                outs = jax.lax.map(one, batched)
+            return outs, tuple(True for _ in outs)
+
+        return fn
+
+
+def result_type(like, shape=None, dtype=None):
+    """A result type for ``ffi_call`` built from an input's type, so shardings and
+    varying manual axes survive (``jax.ShapeDtypeStruct`` would drop the latter)."""
+    t = jax.typeof(like)
+    kwargs = {}
+    if shape is not None:
+        kwargs["shape"] = tuple(shape)
+    if dtype is not None:
+        kwargs["dtype"] = jnp.dtype(dtype)
+    if shape is not None and tuple(shape) != tuple(t.shape):
+        kwargs["sharding"] = jax.sharding.NamedSharding(t.sharding.mesh, P()) \
+            if hasattr(t.sharding, "mesh") else t.sharding
+    return t.update(**kwargs)
