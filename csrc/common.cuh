@@ -37,6 +37,15 @@ inline ffi::Error LastCudaError(const char* op) {
   return ffi::Error::Success();
 }
 
+// Turns a launcher's status into an FFI error naming the op.
+inline ffi::Error CudaStatus(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
 // Number of rows when the last dimension is the row length.
 inline int64_t LeadingCount(const ffi::AnyBuffer& buf) {
   auto dims = buf.dimensions();
@@ -46,7 +55,7 @@ inline int64_t LeadingCount(const ffi::AnyBuffer& buf) {
 }
 inline int64_t LastDim(const ffi::AnyBuffer& buf) {
   auto dims = buf.dimensions();
-  return dims.empty() ? 1 : dims[dims.size() - 1];
+  return dims.size() == 0 ? 1 : dims[dims.size() - 1];
 }
 
 // ---------------------------------------------------------------- conversion

@@ -1,0 +1,142 @@
+// XLA FFI handlers for LayerNorm (plain and fused with a residual add).
+#include "common.cuh"
+#include "kernels/layer_norm.h"
+#include "registry.h"
+
+namespace jax_ls2 {
+namespace {
+
+const void* Ptr(const ffi::AnyBuffer& b) { return b.untyped_data(); }
+void* Ptr(ffi::Result<ffi::AnyBuffer>& b) { return b->untyped_data(); }
+float* F32(ffi::Result<ffi::AnyBuffer>& b) { return static_cast<float*>(b->untyped_data()); }
+
+ffi::Error Fwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual,
+               const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& beta, ffi::Result<ffi::AnyBuffer>& y,
+               ffi::Result<ffi::AnyBuffer>* sum, ffi::Result<ffi::AnyBuffer>& mean,
+               ffi::Result<ffi::AnyBuffer>& rstd, float eps) {
+  LayerNormFwdArgs a{Ptr(x), residual ? Ptr(*residual) : nullptr, Ptr(gamma), Ptr(beta), Ptr(y),
+                     sum ? Ptr(*sum) : nullptr, F32(mean), F32(rstd), LeadingCount(x), LastDim(x), eps};
+  if (gamma.element_count() != a.hidden || beta.element_count() != a.hidden)
+    return ffi::Error::InvalidArgument(std::string(op) + ": gamma/beta size must equal the hidden size");
+  return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    return CudaStatus(op, LaunchLayerNormFwd<T>(a, stream));
+  });
+}
+
+// Args: x (rows..., H), gamma (H,), beta (H,)
+// Rets: y (rows..., H), mean (rows...) f32, rstd (rows...) f32
+ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                            ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+  return Fwd(stream, "layer_norm", x, nullptr, gamma, beta, y, nullptr, mean, rstd, eps);
+}
+
+// Args: x (rows..., H), residual (rows..., H), gamma (H,), beta (H,)
+// Rets: y (rows..., H), sum = x + residual (rows..., H), mean (rows...) f32, rstd (rows...) f32
+ffi::Error AddLayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                               ffi::AnyBuffer gamma, ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> mean,
+                               ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+  return Fwd(stream, "layer_norm(residual)", x, &residual, gamma, beta, y, &sum, mean, rstd, eps);
+}
+
+ffi::Error Bwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& dy, const ffi::AnyBuffer* dsum,
+               const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& mean,
+               const ffi::AnyBuffer& rstd, ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dgamma,
+               ffi::Result<ffi::AnyBuffer>& dbeta, ffi::Result<ffi::AnyBuffer>& partials) {
+  auto pdims = partials->dimensions();
+  LayerNormBwdArgs a{Ptr(dy), dsum ? Ptr(*dsum) : nullptr, Ptr(x), Ptr(gamma),
+                     static_cast<const float*>(mean.untyped_data()), static_cast<const float*>(rstd.untyped_data()),
+                     Ptr(dx), F32(dgamma), F32(dbeta), F32(partials), pdims.size() > 0 ? pdims[0] : 0,
+                     LeadingCount(x), LastDim(x)};
+  if (a.max_parts < 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
+  return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    return CudaStatus(op, LaunchLayerNormBwd<T>(a, stream));
+  });
+}
+
+// Args: dy (rows..., H), x (rows..., H), gamma (H,), mean (rows...) f32, rstd (rows...) f32
+// Rets: dx (rows..., H), dgamma (H,) f32, dbeta (H,) f32, partials workspace (parts, 2, H) f32
+ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                            ffi::Result<ffi::AnyBuffer> partials) {
+  return Bwd(stream, "layer_norm backward", dy, nullptr, x, gamma, mean, rstd, dx, dgamma, dbeta, partials);
+}
+
+// Args: dy (rows..., H), dsum (rows..., H), sum (rows..., H), gamma (H,), mean, rstd (rows...) f32
+// Rets: dx (rows..., H) = dsum + d LayerNorm, dgamma (H,) f32, dbeta (H,) f32, partials workspace
+ffi::Error AddLayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dsum, ffi::AnyBuffer x,
+                               ffi::AnyBuffer gamma, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                               ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> partials) {
+  return Bwd(stream, "layer_norm(residual) backward", dy, &dsum, x, gamma, mean, rstd, dx, dgamma, dbeta,
+             partials);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwd, LayerNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // beta
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // mean
+                                  .Ret<ffi::AnyBuffer>()  // rstd
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddLayerNormFwd, AddLayerNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // residual
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // beta
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // sum
+                                  .Ret<ffi::AnyBuffer>()  // mean
+                                  .Ret<ffi::AnyBuffer>()  // rstd
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwd, LayerNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // mean
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>(),  // partials
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddLayerNormBwd, AddLayerNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // dsum
+                                  .Arg<ffi::AnyBuffer>()  // sum
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // mean
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>(),  // partials
+                              {ffi::Traits::kCmdBufferCompatible});
+
+JAX_LS2_REGISTER("jax_ls2_layer_norm_fwd", LayerNormFwd);
+JAX_LS2_REGISTER("jax_ls2_add_layer_norm_fwd", AddLayerNormFwd);
+JAX_LS2_REGISTER("jax_ls2_layer_norm_bwd", LayerNormBwd);
+JAX_LS2_REGISTER("jax_ls2_add_layer_norm_bwd", AddLayerNormBwd);
+
+}  // namespace jax_ls2

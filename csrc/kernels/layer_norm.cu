@@ -1,0 +1,400 @@
+// LayerNorm forward/backward over the last axis, fp32 statistics.
+//
+// Register path (hidden <= 16384 forward, <= 8192 backward): a "row group" of
+// blockDim.x threads owns one row and holds it in registers (16 elements per
+// thread, 16-byte accesses when hidden allows); blockDim.y row groups per block.
+// The backward is persistent over rows: each row group keeps its dgamma/dbeta
+// partial sums in registers, the block folds its row groups in shared memory and
+// writes one partial row per block; a second kernel sums the partials (fixed
+// order, so results are deterministic).
+// Looped path (larger hidden): one block per row, passes re-read the row.
+#include "common.cuh"
+#include "kernels/layer_norm.h"
+
+namespace jax_ls2 {
+namespace {
+
+constexpr int kElemsPerThread = 16;
+constexpr int kBwdMaxThreads = 512;
+constexpr int kLoopThreads = 512;
+
+// Sums (a, b) over the blockDim.x threads of this row group. All threads of the
+// block must call it. scratch: >= 64 * blockDim.y floats.
+__device__ __forceinline__ void RowSum2(float& a, float& b, float* scratch) {
+  const int tpr = blockDim.x;
+  if (tpr <= 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      if (o < tpr) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+      }
+    }
+    return;
+  }
+  a = WarpSum(a);
+  b = WarpSum(b);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = tpr >> 5;
+  float* s = scratch + threadIdx.y * 64;
+  __syncthreads();
+  if (lane == 0) {
+    s[warp] = a;
+    s[32 + warp] = b;
+  }
+  __syncthreads();
+  a = WarpSum(lane < nw ? s[lane] : 0.f);
+  b = WarpSum(lane < nw ? s[32 + lane] : 0.f);
+}
+
+template <typename T>
+__device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
+
+// ------------------------------------------------------------------ forward
+template <typename T, int VEC, bool RES>
+__global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
+  constexpr int ITEMS = kElemsPerThread / VEC;
+  __shared__ float scratch[64 * 32];
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < a.rows;
+  const int H = (int)a.hidden;
+  const int64_t off = (valid ? row : 0) * a.hidden;
+  const T* x = static_cast<const T*>(a.x) + off;
+
+  float v[ITEMS][VEC];
+  float s = 0.f, unused = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (valid && col < H) {
+      LoadFloats<T, VEC>(x + col, v[i]);
+      if constexpr (RES) {
+        float r[VEC];
+        LoadFloats<T, VEC>(static_cast<const T*>(a.residual) + off + col, r);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[i][j] = RoundTo<T>(v[i][j] + r[j]);
+        StoreFloats<T, VEC>(static_cast<T*>(a.sum) + off + col, v[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s += v[i][j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
+    }
+  }
+  RowSum2(s, unused, scratch);
+  const float mean = s / H;
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (valid && col < H) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = v[i][j] - mean;
+        ss += d * d;
+      }
+    }
+  }
+  RowSum2(ss, unused, scratch);
+  const float rstd = rsqrtf(ss / H + a.eps);
+  if (!valid) return;
+  T* y = static_cast<T*>(a.y) + off;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (col < H) {
+      float g[VEC], b[VEC], o[VEC];
+      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, g);
+      LoadFloats<T, VEC>(static_cast<const T*>(a.beta) + col, b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = (v[i][j] - mean) * rstd * g[j] + b[j];
+      StoreFloats<T, VEC>(y + col, o);
+    }
+  }
+  if (threadIdx.x == 0) {
+    a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+}
+
+// One block per row; re-reads the row (from L2) instead of holding it.
+template <typename T, bool RES>
+__global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
+  __shared__ float scratch[64];
+  const int64_t row = blockIdx.x;
+  const int64_t H = a.hidden, off = row * H;
+  const T* x = static_cast<const T*>(a.x) + off;
+  const T* src = x;
+  float s = 0.f, unused = 0.f;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float v = ToFloat(x[c]);
+    if constexpr (RES) {
+      v = RoundTo<T>(v + ToFloat(static_cast<const T*>(a.residual)[off + c]));
+      static_cast<T*>(a.sum)[off + c] = FromFloat<T>(v);
+    }
+    s += v;
+  }
+  if constexpr (RES) src = static_cast<const T*>(a.sum) + off;
+  RowSum2(s, unused, scratch);  // its __syncthreads also publishes the sum row
+  const float mean = s / H;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    const float d = ToFloat(src[c]) - mean;
+    ss += d * d;
+  }
+  RowSum2(ss, unused, scratch);
+  const float rstd = rsqrtf(ss / H + a.eps);
+  T* y = static_cast<T*>(a.y) + off;
+  const T* g = static_cast<const T*>(a.gamma);
+  const T* b = static_cast<const T*>(a.beta);
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    y[c] = FromFloat<T>((ToFloat(src[c]) - mean) * rstd * ToFloat(g[c]) + ToFloat(b[c]));
+  }
+  if (threadIdx.x == 0) {
+    a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+}
+
+// ------------------------------------------------------------------ backward
+template <typename T, int VEC, bool RES>
+__global__ void __launch_bounds__(kBwdMaxThreads) LayerNormBwdKernel(LayerNormBwdArgs a) {
+  constexpr int ITEMS = kElemsPerThread / VEC;
+  __shared__ float scratch[64 * 16];
+  extern __shared__ float fold[];  // (2, hidden)
+  const int H = (int)a.hidden;
+  const float inv_h = 1.f / H;
+
+  float gam[ITEMS][VEC], dg[ITEMS][VEC], db[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (col < H) {
+      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) gam[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
+  }
+
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows;
+       base += (int64_t)gridDim.x * blockDim.y) {
+    const int64_t row = base + threadIdx.y;
+    const bool valid = row < a.rows;
+    const int64_t off = (valid ? row : 0) * a.hidden;
+    const float mean = valid ? a.mean[row] : 0.f;
+    const float rstd = valid ? a.rstd[row] : 0.f;
+    float xh[ITEMS][VEC], dy[ITEMS][VEC];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int col = (i * blockDim.x + threadIdx.x) * VEC;
+      if (valid && col < H) {
+        LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
+        LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + off + col, dy[i]);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xh[i][j] = (xh[i][j] - mean) * rstd;
+          const float gd = dy[i][j] * gam[i][j];
+          s1 += gd;
+          s2 += gd * xh[i][j];
+          dg[i][j] += dy[i][j] * xh[i][j];
+          db[i][j] += dy[i][j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xh[i][j] = dy[i][j] = 0.f;
+      }
+    }
+    RowSum2(s1, s2, scratch);
+    s1 *= inv_h;
+    s2 *= inv_h;
+    if (valid) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int col = (i * blockDim.x + threadIdx.x) * VEC;
+        if (col < H) {
+          float o[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] * gam[i][j] - s1 - xh[i][j] * s2);
+          if constexpr (RES) {
+            float d[VEC];
+            LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, d);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] += d[j];
+          }
+          StoreFloats<T, VEC>(static_cast<T*>(a.dx) + off + col, o);
+        }
+      }
+    }
+  }
+
+  // Fold the row groups' partial sums in a fixed order, then write this block's row.
+  for (int yy = 0; yy < (int)blockDim.y; ++yy) {
+    if ((int)threadIdx.y == yy) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int col = (i * blockDim.x + threadIdx.x) * VEC;
+        if (col < H) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            fold[col + j] = yy == 0 ? dg[i][j] : fold[col + j] + dg[i][j];
+            fold[H + col + j] = yy == 0 ? db[i][j] : fold[H + col + j] + db[i][j];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* part = a.partials + (int64_t)blockIdx.x * 2 * H;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  for (int c = tid; c < 2 * H; c += nthreads) part[c] = fold[c];
+}
+
+// Large hidden: persistent blocks, one row at a time; dgamma/dbeta partials in
+// shared memory (each column owned by one thread).
+template <typename T, bool RES>
+__global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
+  __shared__ float scratch[64];
+  extern __shared__ float acc[];  // (2, hidden)
+  const int64_t H = a.hidden;
+  const float inv_h = 1.f / H;
+  const T* gamma = static_cast<const T*>(a.gamma);
+  for (int64_t c = threadIdx.x; c < 2 * H; c += blockDim.x) acc[c] = 0.f;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t off = row * H;
+    const T* x = static_cast<const T*>(a.x) + off;
+    const T* dy = static_cast<const T*>(a.dy) + off;
+    const float mean = a.mean[row], rstd = a.rstd[row];
+    float s1 = 0.f, s2 = 0.f;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const float xh = (ToFloat(x[c]) - mean) * rstd;
+      const float d = ToFloat(dy[c]);
+      const float gd = d * ToFloat(gamma[c]);
+      s1 += gd;
+      s2 += gd * xh;
+      acc[c] += d * xh;
+      acc[H + c] += d;
+    }
+    RowSum2(s1, s2, scratch);
+    s1 *= inv_h;
+    s2 *= inv_h;
+    T* dx = static_cast<T*>(a.dx) + off;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const float xh = (ToFloat(x[c]) - mean) * rstd;
+      float o = rstd * (ToFloat(dy[c]) * ToFloat(gamma[c]) - s1 - xh * s2);
+      if constexpr (RES) o += ToFloat(static_cast<const T*>(a.dsum)[off + c]);
+      dx[c] = FromFloat<T>(o);
+    }
+  }
+  float* part = a.partials + (int64_t)blockIdx.x * 2 * H;
+  for (int64_t c = threadIdx.x; c < 2 * H; c += blockDim.x) part[c] = acc[c];
+}
+
+// dgamma[c] = sum_p partials[p][0][c], dbeta[c] = sum_p partials[p][1][c].
+__global__ void SumPartialsKernel(const float* partials, int parts, int64_t hidden, float* dgamma,
+                                  float* dbeta) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * hidden) return;
+  float s = 0.f;
+  for (int p = 0; p < parts; ++p) s += partials[(int64_t)p * 2 * hidden + c];
+  if (c < hidden) dgamma[c] = s; else dbeta[c - hidden] = s;
+}
+
+// Threads per row for the register path: a power of two covering the row with
+// kElemsPerThread elements per thread; 0 when the row does not fit in max_threads.
+int ThreadsPerRow(int64_t hidden, int vec, int max_threads) {
+  const int64_t vecs = (hidden + vec - 1) / vec;
+  const int64_t need = (vecs + kElemsPerThread / vec - 1) / (kElemsPerThread / vec);
+  int tpr = 1;
+  while (tpr < need) tpr <<= 1;
+  return tpr <= max_threads ? tpr : 0;
+}
+
+template <typename T>
+bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
+  constexpr int kVec = kPack<T>;
+  if (hidden % kVec != 0) return 1;
+  for (const void* p : ptrs)
+    if (p != nullptr && !Aligned<T>(p)) return 1;
+  return kVec;
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
+  const int vec = PickVec<T>(a.hidden, {a.x, a.residual, a.gamma, a.beta, a.y, a.sum});
+  const int tpr = ThreadsPerRow(a.hidden, vec, 1024);
+  const bool res = a.residual != nullptr;
+  if (tpr == 0) {
+    auto k = res ? LayerNormFwdLoopKernel<T, true> : LayerNormFwdLoopKernel<T, false>;
+    k<<<(unsigned)a.rows, kLoopThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  const int ry = tpr >= 256 ? 1 : 256 / tpr;
+  dim3 block(tpr, ry);
+  const unsigned grid = (unsigned)((a.rows + ry - 1) / ry);
+  constexpr int kVec = kPack<T>;
+  if (vec == kVec) {
+    auto k = res ? LayerNormFwdKernel<T, kVec, true> : LayerNormFwdKernel<T, kVec, false>;
+    k<<<grid, block, 0, stream>>>(a);
+  } else {
+    auto k = res ? LayerNormFwdKernel<T, 1, true> : LayerNormFwdKernel<T, 1, false>;
+    k<<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
+  if (a.hidden == 0) return cudaSuccess;
+  if (a.rows == 0) {
+    cudaMemsetAsync(a.dgamma, 0, a.hidden * sizeof(float), stream);
+    cudaMemsetAsync(a.dbeta, 0, a.hidden * sizeof(float), stream);
+    return cudaGetLastError();
+  }
+  const bool res = a.dsum != nullptr;
+  const int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
+  const int tpr = ThreadsPerRow(a.hidden, vec, kBwdMaxThreads);
+  const size_t smem = 2 * a.hidden * sizeof(float);
+  int parts;
+  if (tpr == 0) {
+    auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    parts = (int)std::min<int64_t>(a.rows, a.max_parts);
+    k<<<parts, kLoopThreads, smem, stream>>>(a);
+  } else {
+    const int ry = kBwdMaxThreads / tpr < 1 ? 1 : kBwdMaxThreads / tpr;
+    const int ry_used = (int)std::min<int64_t>(ry, a.rows);
+    dim3 block(tpr, ry_used);
+    parts = (int)std::min<int64_t>((a.rows + ry_used - 1) / ry_used, a.max_parts);
+    constexpr int kVec = kPack<T>;
+    auto k = vec == kVec ? (res ? LayerNormBwdKernel<T, kVec, true> : LayerNormBwdKernel<T, kVec, false>)
+                         : (res ? LayerNormBwdKernel<T, 1, true> : LayerNormBwdKernel<T, 1, false>);
+    if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    k<<<parts, block, smem, stream>>>(a);
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t cols = 2 * a.hidden;
+  SumPartialsKernel<<<(unsigned)((cols + 255) / 256), 256, 0, stream>>>(a.partials, parts, a.hidden,
+                                                                          a.dgamma, a.dbeta);
+  return cudaGetLastError();
+}
+
+#define JAX_LS2_INSTANTIATE(T)                                                      \
+  template cudaError_t LaunchLayerNormFwd<T>(const LayerNormFwdArgs&, cudaStream_t); \
+  template cudaError_t LaunchLayerNormBwd<T>(const LayerNormBwdArgs&, cudaStream_t);
+JAX_LS2_INSTANTIATE(float)
+JAX_LS2_INSTANTIATE(__half)
+JAX_LS2_INSTANTIATE(__nv_bfloat16)
+#undef JAX_LS2_INSTANTIATE
+
+}  // namespace jax_ls2

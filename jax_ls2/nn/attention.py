@@ -1,0 +1,158 @@
+"""Multi-head attention with selectable backends.
+
+Backends (``attention_backend``):
+
+* ``"cudnn"``: cuDNN fused attention through ``jax.nn.dot_product_attention``; only
+  without attention dropout (cuDNN's dropout is not exposed by JAX).
+* ``"fused"``: ``q k^T`` GEMM, the jax_ls2 fused ``softmax_dropout`` op, ``p v`` GEMM.
+* ``"xla"``: the XLA reference (``jax.nn.dot_product_attention(implementation="xla")``
+  without dropout; the same GEMMs and a pure-jnp softmax + the shared dropout mask with
+  it, so ``"xla"`` and ``"fused"`` draw identical masks).
+* ``"auto"`` (default): cuDNN on a GPU where it applies (no active dropout, fp16/bf16,
+  head_dim a multiple of 8 up to 128, lengths multiples of 64), otherwise ``"fused"``
+  when dropout is active, otherwise ``"xla"``.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ls2.nn import _ops_compat as ops
+from jax_ls2.nn._common import (check_heads, check_hidden, check_rate, draw_key, matmul,
+                                resolve_deterministic, rng_stream)
+
+BACKENDS = ("auto", "cudnn", "fused", "xla")
+
+
+def cudnn_applies(q_len: int, k_len: int, head_dim: int, dtype) -> bool:
+    """Whether cuDNN fused attention takes this problem (conservative)."""
+    return (jax.default_backend() == "gpu"
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim % 8 == 0 and head_dim <= 128
+            and q_len % 64 == 0 and k_len % 64 == 0)
+
+
+def select_backend(requested: str, *, dropout_active: bool, q_len: int, k_len: int,
+                   head_dim: int, dtype) -> str:
+    """The backend that runs: `requested` unless "auto" (see the module docstring)."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "cudnn" and dropout_active:
+        raise ValueError("attention_backend='cudnn' has no attention-probability dropout; use "
+                         "'fused' or 'auto', or set attn_dropout=0 / deterministic=True")
+    if requested != "auto":
+        return requested
+    if not dropout_active and cudnn_applies(q_len, k_len, head_dim, dtype):
+        return "cudnn"
+    return "fused" if dropout_active else "xla"
+
+
+def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=None,
+                   deterministic=True, backend="auto"):
+    """Scaled dot-product attention.
+
+    q: (batch, q_len, heads, head_dim); k, v: (batch, k_len, heads, head_dim), same dtype.
+    padding_mask: optional bool (batch, k_len), True = attend. causal: bottom-right aligned.
+    Softmax statistics are fp32. Returns (batch, q_len, heads, head_dim) in q's dtype.
+    """
+    b, tq, n, h = q.shape
+    tk = k.shape[1]
+    active = (not deterministic) and rate > 0.0
+    impl = select_backend(backend, dropout_active=active, q_len=tq, k_len=tk, head_dim=h,
+                          dtype=q.dtype)
+    mask = None if padding_mask is None else padding_mask[:, None, None, :].astype(bool)
+    if impl in ("cudnn", "xla") and not active:
+        if causal and tq != tk:
+            raise ValueError(f"attention: causal needs q_len == k_len here, got {tq} and {tk}")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                            implementation=impl)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    softmax = ops.softmax_dropout if impl == "fused" else ops._softmax_dropout
+    probs = softmax(scores, scale=1.0 / math.sqrt(h), mask=mask, causal=causal, rate=rate,
+                    key=key, deterministic=not active)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention with a fused QKV projection (self) or Q + fused KV (cross).
+
+    Parameters: self-attention ``qkv`` (hidden, 3*hidden) laid out [q | k | v], each
+    heads-major; cross-attention ``q`` (hidden, hidden) and ``kv`` (hidden, 2*hidden);
+    ``out`` (hidden, hidden). All ``nnx.Linear`` with biases.
+
+    Args:
+      hidden_size, num_heads: model width and heads (hidden_size % num_heads == 0).
+      self_attention: True for self-attention (fused QKV), False for cross-attention.
+      attn_dropout: attention-probability dropout rate.
+      attention_backend: "auto", "cudnn", "fused" or "xla" (see module docstring).
+      dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, self_attention: bool = True,
+                 attn_dropout: float = 0.0, attention_backend: str = "auto",
+                 deterministic: bool | None = None, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+        self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"MultiHeadAttention: attention_backend must be one of {BACKENDS}, "
+                             f"got {attention_backend!r}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.self_attention = self_attention
+        self.attn_dropout = check_rate("MultiHeadAttention", "attn_dropout", attn_dropout)
+        self.attention_backend = attention_backend
+        self.deterministic = deterministic
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        if self_attention:
+            self.qkv = nnx.Linear(hidden_size, 3 * hidden_size, **kw)
+        else:
+            self.q = nnx.Linear(hidden_size, hidden_size, **kw)
+            self.kv = nnx.Linear(hidden_size, 2 * hidden_size, **kw)
+        self.out = nnx.Linear(hidden_size, hidden_size, **kw)
+        self.rngs = rng_stream(rngs)
+
+    def _split(self, y, parts):
+        return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
+                         axis=-3)
+
+    def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, key=None,
+                deterministic=True):
+        """Attention output before the ``out`` projection: (batch, q_len, hidden).
+
+        x: (batch, q_len, hidden). memory: (batch, k_len, hidden) for cross-attention, or
+        kv: its precomputed ``memory @ kv.kernel + kv.bias`` (batch, k_len, 2*hidden).
+        """
+        check_hidden("MultiHeadAttention", x, self.hidden_size)
+        if self.self_attention:
+            y = self.qkv(x)
+            q, k, v = (t[..., 0, :, :] for t in self._split(y, 3))
+        else:
+            q = self.q(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+            if kv is None:
+                if memory is None:
+                    raise ValueError("MultiHeadAttention: cross-attention needs memory or kv")
+                check_hidden("MultiHeadAttention", memory, self.hidden_size, "memory")
+                kv = self.kv(memory)
+            elif kv.shape[-1] != 2 * self.hidden_size:
+                raise ValueError(f"MultiHeadAttention: kv must have shape (batch, k_len, "
+                                 f"{2 * self.hidden_size}), got {tuple(kv.shape)}")
+            k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
+        ctx = attention_core(q, k, v, padding_mask=padding_mask, causal=causal,
+                             rate=self.attn_dropout, key=key, deterministic=deterministic,
+                             backend=self.attention_backend)
+        return ctx.reshape(*ctx.shape[:-2], self.hidden_size)
+
+    def __call__(self, x, memory=None, *, padding_mask=None, causal=False, kv=None,
+                 deterministic: bool | None = None, rngs=None):
+        """x: (batch, q_len, hidden) -> (batch, q_len, hidden), ``out`` bias included."""
+        det = resolve_deterministic("MultiHeadAttention", deterministic, self.deterministic)
+        key = None
+        if not det and self.attn_dropout > 0:
+            key = draw_key("MultiHeadAttention", self.rngs, rngs)
+        ctx = self.context(x, memory, padding_mask=padding_mask, causal=causal, kv=kv, key=key,
+                           deterministic=det)
+        y, b = matmul(ctx, self.out, self.dtype)
+        return y + b

@@ -1,0 +1,225 @@
+"""LightSeq2-style Transformer layers (Flax NNX) over the jax_ls2 fused ops.
+
+Parameter trees match the plain-Flax twins in ``flax_models.plain`` leaf for leaf:
+``attn_ln``/``ffn_ln`` (and ``cross_ln``) are LayerNorms with ``scale``/``bias``,
+``attn``/``cross_attn`` are `MultiHeadAttention`, ``fc1``/``fc2`` are ``nnx.Linear``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_ls2.nn import _ops_compat as ops
+from jax_ls2.nn._common import (check_activation, check_hidden, check_rate, draw_key, matmul,
+                                resolve_deterministic, rng_stream)
+from jax_ls2.nn.attention import MultiHeadAttention
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis through the fused ``layer_norm`` op.
+
+    Params ``scale`` (ones) and ``bias`` (zeros), shape (num_features,), as ``nnx.LayerNorm``.
+    x: (..., num_features); statistics fp32; output in ``dtype`` (None: promote x and params).
+    ``__call__(x, residual=r)`` returns (LN(x + r), x + r).
+    """
+
+    def __init__(self, num_features: int, *, epsilon: float = 1e-5, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.num_features, self.epsilon, self.dtype = num_features, float(epsilon), dtype
+        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
+
+    def __call__(self, x, residual=None):
+        check_hidden("LayerNorm", x, self.num_features)
+        dtype = self.dtype or dtypes.promote_dtype((x, self.scale[...]), dtype=None)[0].dtype
+        x = x.astype(dtype)
+        if residual is not None:
+            residual = residual.astype(dtype)
+        return ops.layer_norm(x, self.scale[...], self.bias[...], eps=self.epsilon,
+                              residual=residual)
+
+
+class Dropout(nnx.Module):
+    """Dropout with the jax_ls2 counter-based mask (same mask as the fused kernels)."""
+
+    def __init__(self, rate: float, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | None = None):
+        self.rate = check_rate("Dropout", "rate", rate)
+        self.deterministic = deterministic
+        self.rngs = rng_stream(rngs)
+
+    def __call__(self, x, *, deterministic: bool | None = None, rngs=None):
+        det = resolve_deterministic("Dropout", deterministic, self.deterministic)
+        if det or self.rate == 0.0:
+            return x
+        return ops.dropout(x, rate=self.rate, key=draw_key("Dropout", self.rngs, rngs))
+
+
+class _Block(nnx.Module):
+    """Shared construction and the FFN / residual sub-blocks of the layers."""
+
+    _owner = "TransformerLayer"
+
+    def _setup(self, hidden_size, ffn_size, num_heads, *, pre_layer_norm, activation,
+               attn_dropout, activation_dropout, hidden_dropout, layer_norm_eps,
+               attention_backend, deterministic, dtype, param_dtype, rngs):
+        o = self._owner
+        if hidden_size <= 0 or ffn_size <= 0:
+            raise ValueError(f"{o}: hidden_size and ffn_size must be positive, got "
+                             f"{hidden_size} and {ffn_size}")
+        self.hidden_size, self.ffn_size, self.num_heads = hidden_size, ffn_size, num_heads
+        self.pre_layer_norm = bool(pre_layer_norm)
+        self.activation = check_activation(o, activation)
+        self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
+        self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
+        self.deterministic = deterministic
+        self.dtype = dtype
+        ln = dict(epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        attn = dict(attn_dropout=attn_dropout, attention_backend=attention_backend,
+                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_ln = LayerNorm(hidden_size, **ln)
+        self.attn = MultiHeadAttention(hidden_size, num_heads, self_attention=True, **attn)
+        if self._cross:
+            self.cross_ln = LayerNorm(hidden_size, **ln)
+            self.cross_attn = MultiHeadAttention(hidden_size, num_heads, self_attention=False,
+                                                 **attn)
+        self.ffn_ln = LayerNorm(hidden_size, **ln)
+        self.fc1 = nnx.Linear(hidden_size, ffn_size, **lin)
+        self.fc2 = nnx.Linear(ffn_size, hidden_size, **lin)
+        self.rngs = rng_stream(rngs)
+
+    def _keys(self, deterministic, rngs, n):
+        det = resolve_deterministic(self._owner, deterministic, self.deterministic)
+        rates = (self.attn.attn_dropout, self.activation_dropout, self.hidden_dropout)
+        if det or not any(rates):
+            return det, [None] * n
+        key = draw_key(self._owner, self.rngs, rngs)
+        return det, [jax.random.fold_in(key, i) for i in range(n)]
+
+    def _residual(self, sub, x, ln, det, key):
+        """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias)."""
+        h = ln(x) if self.pre_layer_norm else x.astype(ln.dtype or x.dtype)
+        y, b = sub(h)
+        out = ops.bias_dropout_residual(y, b, h if False else x.astype(y.dtype),
+                                        rate=self.hidden_dropout, key=key, deterministic=det)
+        return out if self.pre_layer_norm else ln(out)
+
+    def _ffn(self, h, det, key):
+        y, b = matmul(h, self.fc1, self.dtype)
+        y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
+                                 key=key, deterministic=det)
+        return matmul(y, self.fc2, self.dtype)
+
+    def _attn_sub(self, mha, det, key, **kw):
+        def sub(h):
+            ctx = mha.context(h, key=key, deterministic=det, **kw)
+            return matmul(ctx, mha.out, self.dtype)
+        return sub
+
+
+_DOC_ARGS = """
+    Args:
+      hidden_size, ffn_size, num_heads: widths and heads (hidden_size % num_heads == 0).
+      pre_layer_norm: LayerNorm before each sub-block (True) or after the residual add.
+      activation: "relu", "gelu" (erf) or "gelu_tanh".
+      attn_dropout, activation_dropout, hidden_dropout: LightSeq2's three dropout rates
+        (attention probabilities, after the FFN activation, before each residual add).
+      layer_norm_eps: LayerNorm epsilon.
+      attention_backend: "auto", "cudnn", "fused" or "xla" (see jax_ls2.nn.attention).
+      deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
+      dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+      rngs: ``nnx.Rngs``; params from ``params``, dropout keys from ``dropout``.
+"""
+
+
+class TransformerEncoderLayer(_Block):
+    __doc__ = """Encoder layer: self-attention + FFN, each with a residual.
+
+    ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None)``:
+    x (batch, len, hidden) -> same shape; padding_mask bool (batch, len), True = token.
+    """ + _DOC_ARGS
+    _owner = "TransformerEncoderLayer"
+    _cross = False
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_heads: int, *,
+                 pre_layer_norm: bool = True, activation: str = "relu",
+                 attn_dropout: float = 0.0, activation_dropout: float = 0.0,
+                 hidden_dropout: float = 0.0, layer_norm_eps: float = 1e-5,
+                 attention_backend: str = "auto", deterministic: bool | None = None,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self._setup(hidden_size, ffn_size, num_heads, pre_layer_norm=pre_layer_norm,
+                    activation=activation, attn_dropout=attn_dropout,
+                    activation_dropout=activation_dropout, hidden_dropout=hidden_dropout,
+                    layer_norm_eps=layer_norm_eps, attention_backend=attention_backend,
+                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, *, padding_mask=None, causal: bool = False,
+                 deterministic: bool | None = None, rngs=None):
+        check_hidden(self._owner, x, self.hidden_size)
+        det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
+        x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
+                                          causal=causal), x, self.attn_ln, det, k_r1)
+        return self._residual(lambda h: self._ffn(h, det, k_act), x, self.ffn_ln, det, k_r2)
+
+
+class TransformerDecoderLayer(_Block):
+    __doc__ = """Decoder layer: causal self-attention, cross-attention, FFN.
+
+    ``__call__(x, memory=None, *, cross_kv=None, padding_mask=None, memory_padding_mask=None,
+    deterministic=None, rngs=None)``: x (batch, tgt_len, hidden); memory (batch, src_len,
+    hidden) or cross_kv, its precomputed ``cross_attn.kv`` projection (batch, src_len,
+    2*hidden), as `TransformerDecoder` computes for all layers in one GEMM.
+    """ + _DOC_ARGS
+    _owner = "TransformerDecoderLayer"
+    _cross = True
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_heads: int, *,
+                 pre_layer_norm: bool = True, activation: str = "relu",
+                 attn_dropout: float = 0.0, activation_dropout: float = 0.0,
+                 hidden_dropout: float = 0.0, layer_norm_eps: float = 1e-5,
+                 attention_backend: str = "auto", deterministic: bool | None = None,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self._setup(hidden_size, ffn_size, num_heads, pre_layer_norm=pre_layer_norm,
+                    activation=activation, attn_dropout=attn_dropout,
+                    activation_dropout=activation_dropout, hidden_dropout=hidden_dropout,
+                    layer_norm_eps=layer_norm_eps, attention_backend=attention_backend,
+                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, memory=None, *, cross_kv=None, padding_mask=None,
+                 memory_padding_mask=None, deterministic: bool | None = None, rngs=None):
+        check_hidden(self._owner, x, self.hidden_size)
+        det, keys = self._keys(deterministic, rngs, 6)
+        x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
+                                          causal=True), x, self.attn_ln, det, keys[1])
+        x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
+                                          kv=cross_kv, padding_mask=memory_padding_mask),
+                           x, self.cross_ln, det, keys[3])
+        return self._residual(lambda h: self._ffn(h, det, keys[4]), x, self.ffn_ln, det, keys[5])
+
+
+def TransformerLayer(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
+                     layer_type: str = "encoder", hidden_dropout: float = 0.1,
+                     attention_dropout: float = 0.1, activation_dropout: float | None = None,
+                     activation: str = "gelu", layernorm_epsilon: float = 1e-5,
+                     pre_layer_norm: bool = True, attention_backend: str = "auto",
+                     dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    """One module for the common Transformer block, in Transformer Engine's naming.
+
+    ``layer_type="encoder"`` gives a `TransformerEncoderLayer` (pass ``causal=True`` at call
+    time for a decoder-only/GPT block), ``"decoder"`` a `TransformerDecoderLayer`.
+    ``activation_dropout`` defaults to ``hidden_dropout``.
+    """
+    kinds = {"encoder": TransformerEncoderLayer, "decoder": TransformerDecoderLayer}
+    if layer_type not in kinds:
+        raise ValueError(f"TransformerLayer: layer_type must be 'encoder' or 'decoder', "
+                         f"got {layer_type!r}")
+    return kinds[layer_type](
+        hidden_size, ffn_hidden_size, num_attention_heads, pre_layer_norm=pre_layer_norm,
+        activation=activation, attn_dropout=attention_dropout,
+        activation_dropout=hidden_dropout if activation_dropout is None else activation_dropout,
+        hidden_dropout=hidden_dropout, layer_norm_eps=layernorm_epsilon,
+        attention_backend=attention_backend, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -1,0 +1,188 @@
+"""Fused LayerNorm, optionally with the residual add of a pre-LN block folded in."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, result_type
+from jax_ls2.ops import _checks
+
+F32 = jnp.float32
+# Row-groups' partial dgamma/dbeta rows in the backward workspace (one per CUDA block).
+_MAX_PARTS = 264
+
+
+# ---------------------------------------------------------------- reference math
+def _stats(s, eps):
+    sf = s.astype(F32)
+    mean = jnp.mean(sf, axis=-1)
+    var = jnp.mean(jnp.square(sf - mean[..., None]), axis=-1)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+def _normalize(s, gamma, beta, mean, rstd):
+    xhat = (s.astype(F32) - mean[..., None]) * rstd[..., None]
+    return (xhat * gamma.astype(F32) + beta.astype(F32)).astype(s.dtype)
+
+
+def _fwd_reference(x, gamma, beta, *, eps):
+    mean, rstd = _stats(x, eps)
+    return _normalize(x, gamma, beta, mean, rstd), mean, rstd
+
+
+def _add_fwd_reference(x, residual, gamma, beta, *, eps):
+    s = (x.astype(F32) + residual.astype(F32)).astype(x.dtype)
+    y, mean, rstd = _fwd_reference(s, gamma, beta, eps=eps)
+    return y, s, mean, rstd
+
+
+def _bwd_reference(dy, x, gamma, mean, rstd):
+    h = x.shape[-1]
+    xhat = (x.astype(F32) - mean[..., None]) * rstd[..., None]
+    dyf = dy.astype(F32)
+    g = dyf * gamma.astype(F32)
+    s1 = jnp.sum(g, axis=-1, keepdims=True) / h
+    s2 = jnp.sum(g * xhat, axis=-1, keepdims=True) / h
+    dx = rstd[..., None] * (g - s1 - xhat * s2)
+    lead = tuple(range(x.ndim - 1))
+    return dx, jnp.sum(dyf * xhat, axis=lead), jnp.sum(dyf, axis=lead)
+
+
+def _bwd_ref(dy, x, gamma, mean, rstd):
+    dx, dg, db = _bwd_reference(dy, x, gamma, mean, rstd)
+    return dx.astype(x.dtype), dg, db
+
+
+def _add_bwd_ref(dy, dsum, x, gamma, mean, rstd):
+    dx, dg, db = _bwd_reference(dy, x, gamma, mean, rstd)
+    return (dx + dsum.astype(F32)).astype(x.dtype), dg, db
+
+
+# ---------------------------------------------------------------- CUDA calls
+def _stats_types(x):
+    lead = x.shape[:-1]
+    return result_type(x, lead, F32), result_type(x, lead, F32)
+
+
+def _fwd_cuda(x, gamma, beta, *, eps):
+    out = (result_type(x),) + _stats_types(x)
+    return jax.ffi.ffi_call("jax_ls2_layer_norm_fwd", out, vmap_method="broadcast_all")(
+        x, gamma, beta, eps=np.float32(eps))
+
+
+def _add_fwd_cuda(x, residual, gamma, beta, *, eps):
+    out = (result_type(x), result_type(x)) + _stats_types(x)
+    return jax.ffi.ffi_call("jax_ls2_add_layer_norm_fwd", out, vmap_method="broadcast_all")(
+        x, residual, gamma, beta, eps=np.float32(eps))
+
+
+def _bwd_types(x):
+    h = x.shape[-1]
+    return (result_type(x), result_type(x, (h,), F32), result_type(x, (h,), F32),
+            result_type(x, (_MAX_PARTS, 2, h), F32))
+
+
+def _bwd_cuda(dy, x, gamma, mean, rstd):
+    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_layer_norm_bwd", _bwd_types(x), vmap_method="sequential")(
+        dy, x, gamma, mean, rstd)
+    return dx, dg, db
+
+
+def _add_bwd_cuda(dy, dsum, x, gamma, mean, rstd):
+    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_add_layer_norm_bwd", _bwd_types(x), vmap_method="sequential")(
+        dy, dsum, x, gamma, mean, rstd)
+    return dx, dg, db
+
+
+_R1, _R0, _P = Role(ROWS, 1), Role(ROWS, 0), Role(PARAM)
+_FWD = FusedKernel("jax_ls2_layer_norm_fwd", _fwd_reference, _fwd_cuda,
+                   operands=(_R1, _P, _P), results=(_R1, _R0, _R0))
+_ADD_FWD = FusedKernel("jax_ls2_add_layer_norm_fwd", _add_fwd_reference, _add_fwd_cuda,
+                       operands=(_R1, _R1, _P, _P), results=(_R1, _R1, _R0, _R0))
+_BWD = FusedKernel("jax_ls2_layer_norm_bwd", _bwd_ref, _bwd_cuda,
+                   operands=(_R1, _R1, _P, _R0, _R0), results=(_R1, Role(SUM), Role(SUM)))
+_ADD_BWD = FusedKernel("jax_ls2_add_layer_norm_bwd", _add_bwd_ref, _add_bwd_cuda,
+                       operands=(_R1, _R1, _R1, _P, _R0, _R0), results=(_R1, Role(SUM), Role(SUM)))
+
+
+# ---------------------------------------------------------------- custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm(x, gamma, beta, eps):
+    return _FWD(x, gamma, beta, eps=eps)[0]
+
+
+def _layer_norm_fwd(x, gamma, beta, eps):
+    y, mean, rstd = _FWD(x, gamma, beta, eps=eps)
+    return y, (x, gamma, mean, rstd)
+
+
+def _layer_norm_bwd(eps, res, dy):
+    x, gamma, mean, rstd = res
+    dx, dg, db = _BWD(dy, x, gamma, mean, rstd)
+    return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd, optimize_remat=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _add_layer_norm(x, residual, gamma, beta, eps):
+    y, s, _, _ = _ADD_FWD(x, residual, gamma, beta, eps=eps)
+    return y, s
+
+
+def _add_layer_norm_fwd(x, residual, gamma, beta, eps):
+    y, s, mean, rstd = _ADD_FWD(x, residual, gamma, beta, eps=eps)
+    return (y, s), (s, gamma, mean, rstd)
+
+
+def _add_layer_norm_bwd(eps, res, cts):
+    s, gamma, mean, rstd = res
+    dy, ds = cts
+    dx, dg, db = _ADD_BWD(dy, ds, s, gamma, mean, rstd)
+    return dx, dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
+
+
+_add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd, optimize_remat=True)
+
+
+def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None):
+    """LayerNorm over the last axis: ``(s - mean) / sqrt(var + eps) * gamma + beta``.
+
+    Args:
+      x: ``(..., hidden)`` float32, float16 or bfloat16; any hidden size >= 1.
+      gamma, beta: ``(hidden,)`` floating; cast to ``x.dtype`` (as Flax does with
+        ``dtype=``), their gradients come back in their own dtype.
+      eps: added to the variance.
+      residual: optional ``(..., hidden)`` in ``x.dtype``; then ``s = x + residual``
+        (rounded to ``x.dtype``) is normalised instead of ``x``.
+
+    Returns:
+      ``y`` of ``x``'s shape and dtype; with ``residual``, the pair ``(y, s)`` so the
+      sum can feed the next residual branch.
+
+    Statistics (mean, rstd) and every accumulation are float32. The backward pass
+    keeps ``x`` (or ``s``), ``gamma`` and the float32 mean and rstd per row.
+    """
+    op = "layer_norm"
+    _checks.check_array(op, "x", x, min_ndim=1)
+    _checks.check_array(op, "gamma", gamma, ndim=1)
+    _checks.check_array(op, "beta", beta, ndim=1)
+    h = x.shape[-1]
+    _checks.check_shape(op, "gamma", gamma, (h,))
+    _checks.check_shape(op, "beta", beta, (h,))
+    if h == 0:
+        raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a positive Python float, got {eps!r}")
+    gamma = gamma.astype(x.dtype)
+    beta = beta.astype(x.dtype)
+    if residual is None:
+        return _layer_norm(x, gamma, beta, float(eps))
+    _checks.check_array(op, "residual", residual)
+    _checks.check_shape(op, "residual", residual, x.shape)
+    _checks.check_same_dtype(op, "residual", residual, x.dtype)
+    return _add_layer_norm(x, residual, gamma, beta, float(eps))
