@@ -1,0 +1,29 @@
+"""Test setup: 8 simulated CPU devices for the sharding tests, float64 for truths,
+and the `gpu` marker (skipped without a GPU and the compiled kernels)."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+
+def _have_gpu() -> bool:
+    try:
+        import jax_ls2
+        return jax.default_backend() == "gpu" and jax_ls2.cuda_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and the compiled jax_ls2 CUDA kernels")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
