@@ -1,5 +1,4 @@
-"""Test setup: 8 simulated CPU devices for the sharding tests, float64 for truths,
-and the `gpu` marker (skipped without a GPU and the compiled kernels)."""
+"""Test setup: 8 simulated CPU devices for the sharding tests, and the `gpu` marker (skipped without a GPU and the compiled kernels)."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -8,8 +7,6 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
 
 
 def _have_gpu() -> bool:
