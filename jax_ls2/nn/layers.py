@@ -102,10 +102,10 @@ class _Block(nnx.Module):
 
     def _residual(self, sub, x, ln, det, key):
         """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias)."""
-        h = ln(x) if self.pre_layer_norm else x.astype(ln.dtype or x.dtype)
+        h = ln(x) if self.pre_layer_norm else x
         y, b = sub(h)
-        out = ops.bias_dropout_residual(y, b, h if False else x.astype(y.dtype),
-                                        rate=self.hidden_dropout, key=key, deterministic=det)
+        out = ops.bias_dropout_residual(y, b, x.astype(y.dtype), rate=self.hidden_dropout,
+                                        key=key, deterministic=det)
         return out if self.pre_layer_norm else ln(out)
 
     def _ffn(self, h, det, key):

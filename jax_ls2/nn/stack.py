@@ -1,0 +1,105 @@
+"""Layer stacks: `TransformerEncoder` and `TransformerDecoder`.
+
+`TransformerDecoder` computes the cross-attention keys and values of all its layers from
+the encoder output with one GEMM against the layers' ``cross_attn.kv`` kernels
+concatenated along the output axis (LightSeq2's layer-batched cross attention). The
+parameters stay per layer, so the parameter tree and the gradients are those of the
+per-layer form (``batched_cross_kv=False``).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
+
+
+def _layer_kwargs(kw):
+    return {k: v for k, v in kw.items() if k not in ("final_layer_norm", "remat")}
+
+
+class TransformerEncoder(nnx.Module):
+    """``num_layers`` `TransformerEncoderLayer` s (``layers``) and, when
+    ``final_layer_norm`` (default: pre_layer_norm), a last LayerNorm ``final_ln``.
+
+    ``__call__(x, *, padding_mask=None, causal=False, deterministic=None)``:
+    x (batch, len, hidden) -> same shape. ``remat=True`` rematerialises each layer.
+    Other keyword arguments go to every layer.
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
+                 final_layer_norm: bool | None = None, remat: bool = False,
+                 rngs: nnx.Rngs, **layer_kw):
+        if num_layers <= 0:
+            raise ValueError(f"TransformerEncoder: num_layers must be positive, got {num_layers}")
+        self.layers = nnx.List([TransformerEncoderLayer(hidden_size, ffn_size, num_heads,
+                                                        rngs=rngs, **layer_kw)
+                                for _ in range(num_layers)])
+        if final_layer_norm is None:
+            final_layer_norm = layer_kw.get("pre_layer_norm", True)
+        self.final_ln = (LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
+                                   dtype=layer_kw.get("dtype"),
+                                   param_dtype=layer_kw.get("param_dtype", jnp.float32))
+                         if final_layer_norm else nnx.data(None))
+        self.remat = remat
+
+    def __call__(self, x, *, padding_mask=None, causal: bool = False,
+                 deterministic: bool | None = None):
+        def run(layer, x):
+            return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic)
+        if self.remat:
+            run = nnx.remat(run)
+        for layer in self.layers:
+            x = run(layer, x)
+        return x if self.final_ln is None else self.final_ln(x)
+
+
+class TransformerDecoder(nnx.Module):
+    """``num_layers`` `TransformerDecoderLayer` s and an optional ``final_ln``.
+
+    ``__call__(x, memory, *, padding_mask=None, memory_padding_mask=None, deterministic=None)``:
+    x (batch, tgt_len, hidden), memory (batch, src_len, hidden) -> (batch, tgt_len, hidden).
+    ``batched_cross_kv=True`` (default) projects memory for all layers in one GEMM.
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
+                 final_layer_norm: bool | None = None, batched_cross_kv: bool = True,
+                 remat: bool = False, rngs: nnx.Rngs, **layer_kw):
+        if num_layers <= 0:
+            raise ValueError(f"TransformerDecoder: num_layers must be positive, got {num_layers}")
+        self.layers = nnx.List([TransformerDecoderLayer(hidden_size, ffn_size, num_heads,
+                                                        rngs=rngs, **layer_kw)
+                                for _ in range(num_layers)])
+        if final_layer_norm is None:
+            final_layer_norm = layer_kw.get("pre_layer_norm", True)
+        self.final_ln = (LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
+                                   dtype=layer_kw.get("dtype"),
+                                   param_dtype=layer_kw.get("param_dtype", jnp.float32))
+                         if final_layer_norm else nnx.data(None))
+        self.batched_cross_kv = batched_cross_kv
+        self.remat = remat
+        self.dtype = layer_kw.get("dtype")
+
+    def cross_kv(self, memory):
+        """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)."""
+        kernels = [l.cross_attn.kv.kernel[...] for l in self.layers]
+        biases = [l.cross_attn.kv.bias[...] for l in self.layers]
+        kernel, bias = jnp.concatenate(kernels, axis=1), jnp.concatenate(biases, axis=0)
+        memory, kernel, bias = dtypes.promote_dtype((memory, kernel, bias), dtype=self.dtype)
+        kv = jnp.dot(memory, kernel) + bias
+        return jnp.split(kv, len(self.layers), axis=-1)
+
+    def __call__(self, x, memory, *, padding_mask=None, memory_padding_mask=None,
+                 deterministic: bool | None = None):
+        kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
+
+        def run(layer, x, kv):
+            return layer(x, None if kv is not None else memory, cross_kv=kv,
+                         padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
+                         deterministic=deterministic)
+        if self.remat:
+            run = nnx.remat(run)
+        for layer, kv in zip(self.layers, kvs):
+            x = run(layer, x, kv)
+        return x if self.final_ln is None else self.final_ln(x)

@@ -1,0 +1,231 @@
+"""jax_ls2.nn layers against their plain-Flax twins (flax_models.plain)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_models import plain
+from jax_ls2 import nn
+
+H, F, N = 32, 64, 4
+
+
+def _pair(cls_name, *args, **kw):
+    ours = getattr(nn, cls_name)(*args, rngs=nnx.Rngs(0, dropout=1), **kw)
+    twin = getattr(plain, cls_name)(*args, rngs=nnx.Rngs(5, dropout=2), **kw)
+    ours_params = nnx.state(ours, nnx.Param)
+    assert jax.tree.structure(ours_params) == jax.tree.structure(nnx.state(twin, nnx.Param))
+    nnx.update(twin, ours_params)
+    return ours, twin
+
+
+def _grads(model, fn):
+    params = nnx.state(model, nnx.Param)
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p, rest)
+        return jnp.sum(jnp.sin(fn(m)))
+    return jax.grad(loss)(params)
+
+
+def _close(a, b, rtol=2e-5, atol=2e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32),
+                                                        np.asarray(y, np.float32),
+                                                        rtol=rtol, atol=atol), a, b)
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+@pytest.mark.parametrize("pre_ln,act,causal", [(True, "relu", False), (False, "gelu", False),
+                                               (True, "gelu_tanh", True)])
+def test_encoder_layer_matches_twin(pre_ln, act, causal):
+    ours, twin = _pair("TransformerEncoderLayer", H, F, N, pre_layer_norm=pre_ln, activation=act,
+                       attn_dropout=0.1, hidden_dropout=0.1, activation_dropout=0.1,
+                       deterministic=True)
+    x = _x((2, 7, H))
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
+    call = lambda m: m(x, padding_mask=None if causal else pad, causal=causal)
+    _close(call(ours), call(twin))
+    _close(_grads(ours, call), _grads(twin, call))
+
+
+def test_decoder_layer_matches_twin():
+    ours, twin = _pair("TransformerDecoderLayer", H, F, N, activation="relu", deterministic=True)
+    x, mem = _x((2, 5, H)), _x((2, 9, H), 1)
+    mpad = jnp.arange(9)[None, :] < jnp.array([[9], [3]])
+    call = lambda m: m(x, mem, memory_padding_mask=mpad)
+    _close(call(ours), call(twin))
+    _close(_grads(ours, call), _grads(twin, call))
+
+
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_decoder_stack_batched_cross_kv_equals_per_layer(pre_ln):
+    dec = nn.TransformerDecoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True,
+                                rngs=nnx.Rngs(0))
+    x, mem = _x((2, 5, H)), _x((2, 6, H), 1)
+
+    def call(batched):
+        def f(m):
+            m.batched_cross_kv = batched
+            return m(x, mem)
+        return f
+    out_b, out_p = call(True)(dec), call(False)(dec)
+    _close(out_b, out_p, rtol=1e-6, atol=1e-6)
+    gb, gp = _grads(dec, call(True)), _grads(dec, call(False))
+    _close(gb, gp, rtol=1e-6, atol=1e-6)
+    # gradients reach each layer's own kv kernel
+    assert all(float(jnp.abs(g).sum()) > 0 for g in
+               [gb["layers"][i]["cross_attn"]["kv"]["kernel"][...] for i in range(3)])
+    twin = plain.TransformerDecoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True,
+                                    rngs=nnx.Rngs(0))
+    nnx.update(twin, nnx.state(dec, nnx.Param))
+    _close(twin(x, mem), out_b)
+    _close(_grads(twin, lambda m: m(x, mem)), gb)
+
+
+def test_dropout_train_eval_and_keys():
+    layer = nn.TransformerEncoderLayer(H, F, N, attn_dropout=0.2, hidden_dropout=0.2,
+                                       activation_dropout=0.2, rngs=nnx.Rngs(0, dropout=3))
+    x = _x((2, 8, H))
+    layer.eval()
+    a, b = layer(x), layer(x)
+    np.testing.assert_array_equal(a, b)
+    layer.train()
+    c, d = layer(x), layer(x)
+    assert not np.allclose(c, a) and not np.allclose(c, d)  # fresh keys each call
+    key = jax.random.key(7)
+    np.testing.assert_array_equal(layer(x, rngs=key), layer(x, rngs=key))
+    np.testing.assert_array_equal(layer(x, deterministic=True), a)
+
+
+def test_fused_and_xla_backends_draw_the_same_mask():
+    kw = dict(attn_dropout=0.3, deterministic=False, rngs=nnx.Rngs(0, dropout=1))
+    fused = nn.MultiHeadAttention(H, N, attention_backend="fused", **kw)
+    xla = nn.MultiHeadAttention(H, N, attention_backend="xla", **kw)
+    nnx.update(xla, nnx.state(fused, nnx.Param))
+    x, key = _x((2, 6, H)), jax.random.key(3)
+    pad = jnp.arange(6)[None, :] < jnp.array([[6], [2]])
+    call = lambda m: m(x, padding_mask=pad, rngs=key)
+    _close(call(fused), call(xla), rtol=1e-6, atol=1e-6)
+    _close(_grads(fused, call), _grads(xla, call), rtol=1e-5, atol=1e-6)
+
+
+def test_backend_selection():
+    sel = lambda req, act: nn.select_backend(req, dropout_active=act, q_len=128, k_len=128,
+                                             head_dim=64, dtype=jnp.bfloat16)
+    expect_auto = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    assert sel("auto", False) == expect_auto
+    assert sel("auto", True) == "fused"
+    assert sel("xla", True) == "xla"
+    with pytest.raises(ValueError, match="cudnn"):
+        sel("cudnn", True)
+    with pytest.raises(ValueError, match="attention_backend"):
+        sel("flash", False)
+
+
+@pytest.mark.parametrize("kind", ["learned", "sinusoidal"])
+def test_embedding_matches_twin(kind):
+    kw = dict(max_positions=16) if kind == "learned" else dict(sinusoidal=True)
+    ours, twin = _pair("Embedding", 50, H, scale=H ** 0.5, padding_idx=1, dropout=0.1,
+                       deterministic=True, **kw)
+    ids = jax.random.randint(jax.random.key(0), (2, 9), 0, 50).at[1, 6:].set(1)
+    call = lambda m: m(ids)
+    out = call(ours)
+    assert np.all(np.asarray(out[1, 6:]) == 0)
+    _close(out, call(twin))
+    _close(_grads(ours, call), _grads(twin, call))
+
+
+@pytest.mark.parametrize("smoothing,ignore", [(0.0, None), (0.1, -100)])
+def test_criterion_matches_twin(smoothing, ignore):
+    logits = _x((3, 5, 37))
+    labels = jax.random.randint(jax.random.key(1), (3, 5), 0, 37)
+    if ignore is not None:
+        labels = labels.at[0, :2].set(ignore)
+    ours = nn.CrossEntropyCriterion(label_smoothing=smoothing, ignore_index=ignore)
+    twin = plain.CrossEntropyCriterion(label_smoothing=smoothing, ignore_index=ignore)
+    (lo, co), (lt, ct) = ours(logits, labels), twin(logits, labels)
+    assert float(co) == float(ct) == (13 if ignore is not None else 15)
+    _close(lo, lt, rtol=1e-6)
+    _close(jax.grad(lambda l: ours(l, labels)[0])(logits),
+           jax.grad(lambda l: twin(l, labels)[0])(logits), rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_compute_fp32_params():
+    ours, twin = _pair("TransformerEncoderLayer", H, F, N, dtype=jnp.bfloat16, deterministic=True)
+    x = _x((2, 8, H))
+    out = ours(x)
+    assert out.dtype == jnp.bfloat16
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+    _close(out, twin(x), rtol=3e-2, atol=3e-2)
+
+
+def test_jit_remat_and_scan_over_layers():
+    layers = [nn.TransformerEncoderLayer(H, F, N, deterministic=True, rngs=nnx.Rngs(i))
+              for i in range(3)]
+    x = _x((2, 8, H))
+    ref = x
+    for layer in layers:
+        ref = layer(ref)
+
+    @nnx.jit
+    def jitted(layer, x):
+        return nnx.remat(lambda l, y: l(y))(layer, x)
+    out = x
+    for layer in layers:
+        out = jitted(layer, out)
+    _close(out, ref, rtol=1e-5, atol=1e-5)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return nn.TransformerEncoderLayer(H, F, N, deterministic=True, rngs=nnx.Rngs(key))
+    stacked = make(jax.random.split(jax.random.key(0), 3))
+    for i, layer in enumerate(layers):  # load the per-layer params into the stack
+        nnx.update(layers[i], jax.tree.map(lambda a: a[i], nnx.state(stacked, nnx.Param)))
+    ref = x
+    for layer in layers:
+        ref = layer(ref)
+
+    def scan_apply(stack, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(carry, layer):
+            return nnx.remat(lambda l, y: l(y))(layer, carry)
+        return body(x, stack)
+    _close(nnx.jit(scan_apply)(stacked, x), ref, rtol=1e-5, atol=1e-5)
+    g_scan = nnx.grad(lambda m: jnp.sum(jnp.sin(scan_apply(m, x))))(stacked)
+    for i, layer in enumerate(layers):
+        def upto(m, i=i):
+            y = x
+            for j, l in enumerate(layers):
+                y = (m if j == i else l)(y)
+            return y
+        _close(jax.tree.map(lambda a: a[i], g_scan), _grads(layer, upto), rtol=1e-4, atol=1e-5)
+
+
+def test_transformer_layer_factory():
+    enc = nn.TransformerLayer(H, F, N, rngs=nnx.Rngs(0))
+    dec = nn.TransformerLayer(H, F, N, layer_type="decoder", rngs=nnx.Rngs(0))
+    assert isinstance(enc, nn.TransformerEncoderLayer) and enc.activation == "gelu"
+    assert isinstance(dec, nn.TransformerDecoderLayer)
+    assert enc.hidden_dropout == 0.1 and enc.attn.attn_dropout == 0.1
+    with pytest.raises(ValueError, match="layer_type"):
+        nn.TransformerLayer(H, F, N, layer_type="moe", rngs=nnx.Rngs(0))
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match=r"hidden_size \(30\).*num_heads \(4\)"):
+        nn.TransformerEncoderLayer(30, F, N, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="activation"):
+        nn.TransformerEncoderLayer(H, F, N, activation="swish", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hidden_dropout"):
+        nn.TransformerEncoderLayer(H, F, N, hidden_dropout=1.5, rngs=nnx.Rngs(0))
+    layer = nn.TransformerEncoderLayer(H, F, N, deterministic=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"TransformerEncoderLayer: x must have shape \(\.\.\., 32\)"):
+        layer(jnp.ones((2, 3, 16)))
+    layer = nn.TransformerEncoderLayer(H, F, N, hidden_dropout=0.1, deterministic=False)
+    with pytest.raises(ValueError, match="no rngs"):
+        layer(jnp.ones((2, 3, H)))
