@@ -234,3 +234,27 @@ def result_type(like, shape=None, dtype=None):
         kwargs["sharding"] = jax.sharding.NamedSharding(t.sharding.mesh, P()) \
             if hasattr(t.sharding, "mesh") else t.sharding
     return t.update(**kwargs)
+
+
+def _varying_axes(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", frozenset()))
+
+
+def match_varying(*arrays):
+    """Makes every array varying over the union of the arrays' manual mesh axes
+    (inside ``shard_map``), so a weight used with a per-device activation enters the
+    op as per-device too. Its gradient then comes back through ``pcast``'s transpose,
+    which sums it over those axes, exactly as for a plain jnp formula."""
+    vmas = [_varying_axes(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    if not union:
+        return arrays
+    out = []
+    for a, v in zip(arrays, vmas):
+        missing = tuple(sorted(union - v))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, result_type
+from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -181,8 +181,10 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None):
     gamma = gamma.astype(x.dtype)
     beta = beta.astype(x.dtype)
     if residual is None:
+        x, gamma, beta = match_varying(x, gamma, beta)
         return _layer_norm(x, gamma, beta, float(eps))
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
+    x, residual, gamma, beta = match_varying(x, residual, gamma, beta)
     return _add_layer_norm(x, residual, gamma, beta, float(eps))

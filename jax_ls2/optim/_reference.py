@@ -1,0 +1,161 @@
+"""Pure-JAX reference of the fused optimizer kernels, element for element the same
+math as ``csrc/kernels/optimizer.cu`` (float32 in registers), run on every backend
+without the CUDA kernels.
+
+Per element, with ``gscale = inv_scale * grad_mult``::
+
+    g  = grad * gscale;   g = g / norm * max_norm   if clipping and not norm < max_norm
+    Adam: m = (1-b1) g + b1 m;  v = (1-b2) g^2 + b2 v;  u = (m/bc1) / (sqrt(v/bc2 + eps_root) + eps)
+    SGD:  m = g + b1 m;  u = g + b1 m (nesterov) or m;   u = g without momentum
+    u += wd * p   (leaves flagged for decay);   d = u * (-lr);   p' = p + d
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ls2.optim import _abi as A
+from jax_ls2.optim._layout import Layout, leaf_view
+
+_UINT16 = {jnp.dtype(jnp.float16): jnp.uint16, jnp.dtype(jnp.bfloat16): jnp.uint16}
+
+
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def sr_bits(flat_index: jax.Array, seed: jax.Array) -> jax.Array:
+    """uint32 random bits of flat element `flat_index` for seed (k0, k1, step, _)."""
+    idx = flat_index.astype(jnp.uint32)
+    salt = _mix32((seed[2] * np.uint32(0x85EBCA6B)) ^ seed[1])
+    return _mix32(_mix32((idx * np.uint32(0x9E3779B1)) ^ seed[0]) ^ salt)
+
+
+def round_stochastic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+    """float32 `x` rounded to float16/bfloat16 `dtype`, up with probability
+    (|x| - |lo|) / (|hi| - |lo|) where lo, hi are the neighbours towards and away
+    from zero; u = (bits >> 8) * 2^-24 and x goes up iff u < that fraction."""
+    dtype = jnp.dtype(dtype)
+    near = x.astype(dtype)
+    b = jax.lax.bitcast_convert_type(near, jnp.uint16)
+    lo = near.astype(jnp.float32)
+    down = jnp.abs(lo) > jnp.abs(x)
+    b = jnp.where(down, b - np.uint16(1), b)
+    lo = jax.lax.bitcast_convert_type(b, dtype).astype(jnp.float32)
+    hb = b + np.uint16(1)
+    hi = jax.lax.bitcast_convert_type(hb, dtype).astype(jnp.float32)
+    frac = (jnp.abs(x) - jnp.abs(lo)) / (jnp.abs(hi) - jnp.abs(lo))
+    u = (bits >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
+    out_bits = jnp.where((lo != x) & (u < frac), hb, b)
+    out = jax.lax.bitcast_convert_type(out_bits, dtype)
+    return jnp.where(jnp.isfinite(x), out, near)
+
+
+def grad_stats(grads: list, hp: jax.Array) -> jax.Array:
+    """(2,) float32: global norm of grad * gscale, and 1.0 if every grad is finite else 0.0."""
+    gscale = hp[A.INV_SCALE] * hp[A.GRAD_MULT]
+    sumsq = jnp.float32(0)
+    finite = jnp.bool_(True)
+    for g in grads:
+        s = g.astype(jnp.float32) * gscale
+        sumsq = sumsq + jnp.sum(s * s)
+        finite = finite & jnp.all(jnp.isfinite(g))
+    return jnp.stack([jnp.sqrt(sumsq), finite.astype(jnp.float32)])
+
+
+def _step(hp, algo, flags, decay, g, p, m, v, clip_on, norm):
+    g = g * (hp[A.INV_SCALE] * hp[A.GRAD_MULT])
+    if flags & A.CLIP:
+        g = jnp.where(clip_on, (g / norm) * hp[A.MAX_NORM], g)
+    if algo == A.ADAM:
+        m = hp[A.ONE_MINUS_B1] * g + hp[A.B1] * m
+        v = hp[A.ONE_MINUS_B2] * (g * g) + hp[A.B2] * v
+        u = (m / hp[A.BC1]) / (jnp.sqrt(v / hp[A.BC2] + hp[A.EPS_ROOT]) + hp[A.EPS])
+    elif flags & A.HAS_MU:
+        m = g + hp[A.B1] * m
+        u = g + hp[A.B1] * m if flags & A.NESTEROV else m
+    else:
+        u = g
+    if decay:
+        u = u + hp[A.WD] * p
+    return u * (-hp[A.LR]), m, v
+
+
+def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: int,
+                 layout: Layout, decay: tuple):
+    """Reference of ``jax_ls2_optim_update``.
+
+    Args:
+      grads: list of L leaves (f32/f16/bf16), or [flat (total,) f32] with FLAT_GRADS.
+      params: list of L leaves. mu, nu: (total,) f32/bf16 or None. master: (total,) f32 or None.
+      hp: (HP_SIZE,) f32. seed: (4,) uint32.
+    Returns:
+      (outs, mu, nu, master, stats): outs are the new params (APPLY; param dtypes) or the
+      updates (grad dtypes); stats (2,) f32 = (norm, finite), zeros unless CHECK or CLIP.
+    """
+    L = len(params)
+    if flags & A.FLAT_GRADS:
+        g_leaves = [leaf_view(grads[0], layout, i) for i in range(L)]
+    else:
+        g_leaves = list(grads)
+    norm_pass = bool(flags & (A.CHECK | A.CLIP))
+    if norm_pass:
+        stats = grad_stats(g_leaves, hp)
+        norm = stats[0]
+        clip_on = (flags & A.CLIP != 0) & ~(norm < hp[A.MAX_NORM])
+        skip = (flags & A.CHECK != 0) & (stats[1] == 0)
+    else:
+        stats = jnp.zeros((2,), jnp.float32)
+        norm, clip_on, skip = jnp.float32(0), jnp.bool_(False), jnp.bool_(False)
+    apply = bool(flags & A.APPLY)
+    sr = bool(flags & A.SR) and master is None
+    outs, new_mu, new_nu, new_master = [], [], [], []
+    for i in range(L):
+        g = g_leaves[i].astype(jnp.float32)
+        p_leaf = params[i]
+        cur = p_leaf.astype(jnp.float32)
+        p = leaf_view(master, layout, i) if master is not None else cur
+        m = leaf_view(mu, layout, i).astype(jnp.float32) if mu is not None else jnp.zeros_like(g)
+        v = leaf_view(nu, layout, i).astype(jnp.float32) if nu is not None else jnp.zeros_like(g)
+        d, m, v = _step(hp, algo, flags, bool(decay[i]), g, p, m, v, clip_on, norm)
+        newp = p + d
+        if apply:
+            pdt = p_leaf.dtype
+            if sr and jnp.dtype(pdt) != jnp.float32:
+                idx = layout.offsets[i] + jnp.arange(layout.sizes[i], dtype=jnp.uint32).reshape(p.shape)
+                out = round_stochastic(newp, pdt, sr_bits(idx, seed))
+            else:
+                out = newp.astype(pdt)
+            outs.append(jnp.where(skip, p_leaf, out))
+        else:
+            upd = (newp - cur) if master is not None else d
+            outs.append(jnp.where(skip, 0, upd).astype(g_leaves[i].dtype))
+        new_mu.append(m)
+        new_nu.append(v)
+        new_master.append(newp)
+
+    def scatter(flat, leaves):
+        if flat is None:
+            return None
+        out = flat
+        for i, x in enumerate(leaves):
+            out = jax.lax.dynamic_update_slice(out, x.reshape(-1).astype(flat.dtype), (layout.offsets[i],))
+        return jnp.where(skip, flat, out)
+
+    return (outs, scatter(mu, new_mu), scatter(nu, new_nu), scatter(master, new_master), stats)
+
+
+def accumulate(acc, scale, grads, *, layout: Layout):
+    """Reference of ``jax_ls2_optim_accumulate``: acc[offset_i + j] += grads_i[j] * scale[0]."""
+    out = acc
+    for i, g in enumerate(grads):
+        off, n = layout.offsets[i], layout.sizes[i]
+        cur = jax.lax.slice(out, (off,), (off + n,))
+        out = jax.lax.dynamic_update_slice(out, cur + g.reshape(-1).astype(jnp.float32) * scale[0], (off,))
+    return out

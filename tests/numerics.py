@@ -1,0 +1,41 @@
+"""Shared test helpers: float64 truths, the 2x error rule, HLO inspection, meshes."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x)).astype(np.float64)
+
+
+def rel_err(x, truth) -> float:
+    x, truth = f64(x), f64(truth)
+    assert np.all(np.isfinite(x)), "non-finite values in output"
+    return float(np.linalg.norm((x - truth).ravel()) / max(np.linalg.norm(truth.ravel()), 1e-30))
+
+
+def assert_within_2x(name: str, out, xla_out, truth, floor: float = 1e-7):
+    """The kernel's error against the float64 truth is at most twice the error of the
+    XLA reference computed in the same dtype (plus a tiny floor for exact cases)."""
+    e_kernel, e_xla = rel_err(out, truth), rel_err(xla_out, truth)
+    assert e_kernel <= 2.0 * e_xla + floor, f"{name}: kernel error {e_kernel:.3e} > 2 x XLA error {e_xla:.3e}"
+
+
+def mesh8(axis: str = "data") -> Mesh:
+    devices = np.array(jax.devices()[:8])
+    assert devices.size == 8, "needs --xla_force_host_platform_device_count=8"
+    return Mesh(devices, (axis,))
+
+
+def shard(x, mesh, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def compiled_text(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def cuda_lowering_text(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

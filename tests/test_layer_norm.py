@@ -1,0 +1,245 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_ls2
+from jax_ls2.ops import layer_norm
+from numerics import assert_within_2x, compiled_text, cuda_lowering_text, f64, mesh8, shard
+
+
+def plain_layer_norm(x, gamma, beta, eps=1e-5):
+    """Independent formula (jnp.var, float32)."""
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    y = (xf - mu) / jnp.sqrt(xf.var(-1, keepdims=True) + eps) * gamma.astype(jnp.float32) + beta.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def numpy_truth(x, gamma, beta, eps=1e-5):
+    x, gamma, beta = f64(x), f64(gamma), f64(beta)
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta
+
+
+def inputs(shape, dtype=jnp.float32, seed=0):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    h = shape[-1]
+    x = (jax.random.normal(k1, shape) * 2 + 0.5).astype(dtype)
+    gamma = (1 + 0.3 * jax.random.normal(k2, (h,))).astype(dtype)
+    beta = (0.2 * jax.random.normal(k3, (h,))).astype(dtype)
+    r = jax.random.normal(k4, shape).astype(dtype)
+    return x, gamma, beta, r
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 5, 769), (2, 4097), (1, 20000)])
+def test_forward_matches_plain_formula(shape):
+    x, g, b, _ = inputs(shape, seed=shape[-1])
+    np.testing.assert_allclose(layer_norm(x, g, b), plain_layer_norm(x, g, b), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(7, 123), (2, 3, 64)])
+def test_backward_matches_autodiff_of_plain_formula(shape):
+    x, g, b, _ = inputs(shape, seed=1)
+    w = jax.random.normal(jax.random.key(9), shape)
+    ours = jax.grad(lambda *a: jnp.sum(layer_norm(*a) * w), (0, 1, 2))(x, g, b)
+    ref = jax.grad(lambda *a: jnp.sum(plain_layer_norm(*a) * w), (0, 1, 2))(x, g, b)
+    for o, r in zip(ours, ref):
+        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4)
+
+
+def test_check_grads():
+    x, g, b, r = inputs((3, 17), seed=2)
+    check_grads(lambda x, g, b: layer_norm(x, g, b), (x, g, b), order=1, modes=("rev",), atol=3e-2, rtol=3e-2)
+    check_grads(lambda x, r, g, b: layer_norm(x, g, b, residual=r)[0], (x, r, g, b), order=1, modes=("rev",),
+                atol=3e-2, rtol=3e-2)
+
+
+def test_residual_variant():
+    x, g, b, r = inputs((5, 96), seed=3)
+    y, s = layer_norm(x, g, b, residual=r)
+    np.testing.assert_allclose(s, x + r, rtol=1e-6)
+    np.testing.assert_allclose(y, plain_layer_norm(x + r, g, b), rtol=2e-5, atol=2e-5)
+    w1, w2 = jax.random.normal(jax.random.key(1), (2, 5, 96))
+
+    def ours(x, r, g, b):
+        y, s = layer_norm(x, g, b, residual=r)
+        return jnp.sum(y * w1) + jnp.sum(s * w2)
+
+    def plain(x, r, g, b):
+        s = x + r
+        return jnp.sum(plain_layer_norm(s, g, b) * w1) + jnp.sum(s * w2)
+
+    for o, p in zip(jax.grad(ours, (0, 1, 2, 3))(x, r, g, b), jax.grad(plain, (0, 1, 2, 3))(x, r, g, b)):
+        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_low_precision_dtypes_and_param_cast(dtype):
+    x, g, b, _ = inputs((4, 64), dtype)
+    y = layer_norm(x, g.astype(jnp.float32), b.astype(jnp.float32))
+    assert y.dtype == dtype
+    grads = jax.grad(lambda g: jnp.sum(layer_norm(x, g, b).astype(jnp.float32)))(g.astype(jnp.float32))
+    assert grads.dtype == jnp.float32
+    np.testing.assert_allclose(f64(y), numpy_truth(x, g, b), atol=0.05, rtol=0.05)
+
+
+def test_transformations():
+    x, g, b, r = inputs((4, 6, 32), seed=4)
+    loss = lambda x, g, b: jnp.sum(layer_norm(x, g, b) ** 2)
+    plain = lambda x, g, b: jnp.sum(plain_layer_norm(x, g, b) ** 2)
+    gd = jax.jit(jax.grad(loss, (0, 1, 2)))(x, g, b)
+    gp = jax.grad(plain, (0, 1, 2))(x, g, b)
+    for a, c in zip(gd, gp):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
+    # vmap over a leading axis, and per-example gradients (vmap of grad).
+    v = jax.vmap(lambda x: layer_norm(x, g, b))(x)
+    np.testing.assert_allclose(v, plain_layer_norm(x, g, b), rtol=2e-5, atol=2e-5)
+    per_ex = jax.vmap(jax.grad(loss, 1), in_axes=(0, None, None))(x, g, b)
+    per_ex_ref = jax.vmap(jax.grad(plain, 1), in_axes=(0, None, None))(x, g, b)
+    np.testing.assert_allclose(per_ex, per_ex_ref, rtol=1e-4, atol=1e-4)
+    # vmap over the parameters too (falls back to a sequential map).
+    gs = jnp.stack([g, g * 2])
+    np.testing.assert_allclose(jax.vmap(lambda g: layer_norm(x, g, b))(gs)[1], plain_layer_norm(x, g * 2, b),
+                               rtol=2e-5, atol=2e-5)
+
+    # remat inside scan over layers.
+    def body(h, params):
+        g_, b_ = params
+        return jax.checkpoint(lambda h: layer_norm(h, g_, b_, residual=h)[0])(h), None
+
+    stack = (jnp.stack([g, g * 0.5, g + 1]), jnp.stack([b, b, b]))
+    scan_loss = lambda x, st: jnp.sum(jax.lax.scan(body, x, st)[0] ** 2)
+
+    def plain_body(h, params):
+        return plain_layer_norm(h + h, *params), None
+
+    plain_scan = lambda x, st: jnp.sum(jax.lax.scan(plain_body, x, st)[0] ** 2)
+    for a, c in zip(jax.jit(jax.grad(scan_loss, (0, 1)))(x, stack), jax.grad(plain_scan, (0, 1))(x, stack)):
+        for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
+            np.testing.assert_allclose(u, w, rtol=2e-4, atol=2e-4)
+
+
+def test_batch_sharded_jit_has_no_all_gather_and_psums_param_grads():
+    mesh = mesh8()
+    x, g, b, r = inputs((16, 4, 48), seed=5)
+    xs = shard(x, mesh, "data")
+    f = jax.jit(jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b, residual=x)[0] ** 3), (0, 1, 2)))
+    out = f(xs, g, b)
+    ref = jax.grad(lambda x, g, b: jnp.sum(plain_layer_norm(x + x, g, b) ** 3), (0, 1, 2))(x, g, b)
+    for a, c in zip(out, ref):
+        np.testing.assert_allclose(a, c, rtol=2e-4, atol=2e-4)
+    assert out[0].sharding.spec[0] == "data"
+    text = compiled_text(f, xs, g, b)
+    assert "all-gather" not in text
+    assert "all-reduce" in text  # dgamma/dbeta are summed across shards
+
+
+def test_shard_map():
+    mesh = mesh8()
+    x, g, b, _ = inputs((16, 40), seed=6)
+
+    def per_device(x, g, b):
+        # Gradients of the replicated weights arrive summed over devices, as for jnp code.
+        return jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b) ** 2), (0, 1, 2))(x, g, b)
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P()),
+                              out_specs=(P("data"), P(), P())))
+    ref = jax.grad(lambda x, g, b: jnp.sum(plain_layer_norm(x, g, b) ** 2), (0, 1, 2))(x, g, b)
+    for a, c in zip(f(x, g, b), ref):
+        np.testing.assert_allclose(a, c, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(not jax_ls2.cuda_available(), reason="extension not built")
+def test_lowering_for_cuda_reaches_the_kernels():
+    x, g, b, r = inputs((4, 64), seed=7)
+    text = cuda_lowering_text(jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b)), (0, 1, 2)), x, g, b)
+    assert "jax_ls2_layer_norm_fwd" in text and "jax_ls2_layer_norm_bwd" in text
+    text = cuda_lowering_text(jax.grad(lambda x, r: jnp.sum(layer_norm(x, g, b, residual=r)[0]), (0, 1)), x, r)
+    assert "jax_ls2_add_layer_norm_fwd" in text and "jax_ls2_add_layer_norm_bwd" in text
+
+
+def test_bad_inputs():
+    x, g, b, r = inputs((4, 8))
+    with pytest.raises(ValueError, match=r"layer_norm: gamma must have shape \(8,\), got \(7,\)"):
+        layer_norm(x, g[:7], b)
+    with pytest.raises(TypeError, match="layer_norm: x must have dtype"):
+        layer_norm(x.astype(jnp.int32), g, b)
+    with pytest.raises(ValueError, match="layer_norm: gamma must have rank 1"):
+        layer_norm(x, g[None], b)
+    with pytest.raises(ValueError, match="layer_norm: x must have rank >= 1"):
+        layer_norm(jnp.float32(1.0), g, b)
+    with pytest.raises(ValueError, match="layer_norm: residual must have shape"):
+        layer_norm(x, g, b, residual=r[:2])
+    with pytest.raises(TypeError, match="layer_norm: residual must have dtype float32"):
+        layer_norm(x, g, b, residual=r.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="layer_norm: eps must be a positive"):
+        layer_norm(x, g, b, eps=0.0)
+
+
+# ---------------------------------------------------------------- GPU
+GPU_SHAPES = [(7, 123), (1025, 769), (64, 4097), (33, 16384), (3, 40000), (16384, 768), (8192, 4096)]
+
+
+def _xla_reference(x, g, b, r=None):
+    s = x if r is None else (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
+    return plain_layer_norm(s, g, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("fused_residual", [False, True])
+def test_gpu_against_float64_truth(dtype, shape, fused_residual):
+    x, g, b, r = inputs(shape, dtype, seed=shape[-1])
+    w = jax.random.normal(jax.random.key(3), shape).astype(dtype)
+
+    def ours(x, g, b, r):
+        if fused_residual:
+            return layer_norm(x, g, b, residual=r)[0]
+        return layer_norm(x, g, b)
+
+    def xla(x, g, b, r):
+        return _xla_reference(x, g, b, r if fused_residual else None)
+
+    loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w.astype(jnp.float32)))
+    y = jax.jit(ours)(x, g, b, r)
+    y_xla = jax.jit(xla)(x, g, b, r)
+    s64 = f64(x) + f64(r) if fused_residual else f64(x)
+    truth = numpy_truth(s64, g, b)
+    assert_within_2x("y", y, y_xla, truth)
+    # Gradients: truth through float64 autodiff on the CPU.
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        args64 = [jax.device_put(jnp.asarray(f64(a)), cpu) for a in (x, g, b, r)]
+        w64 = jax.device_put(jnp.asarray(f64(w)), cpu)
+        truth_grads = jax.grad(lambda x, g, b, r: jnp.sum(xla(x, g, b, r) * w64), (0, 1, 2, 3))(*args64)
+    gk = jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))(x, g, b, r)
+    gx = jax.jit(jax.grad(loss(xla), (0, 1, 2, 3)))(x, g, b, r)
+    names = ["dx", "dgamma", "dbeta", "dresidual"]
+    for i in range(4 if fused_residual else 3):
+        assert_within_2x(names[i], gk[i], gx[i], truth_grads[i])
+
+
+@pytest.mark.gpu
+def test_gpu_every_output_element_written():
+    # Outputs are donated NaN buffers' neighbours: any unwritten element would stay NaN
+    # in a buffer reused from a NaN-filled allocation, so run after allocating NaNs.
+    x, g, b, r = inputs((4099, 777), jnp.bfloat16, seed=11)
+    poison = jnp.full((4099, 777), jnp.nan, jnp.bfloat16)
+    del poison
+    y, s = jax.jit(lambda *a: layer_norm(a[0], a[1], a[2], residual=a[3]))(x, g, b, r)
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(layer_norm(x, g, b).astype(jnp.float32))))(x)
+    for arr in (y, s, dx):
+        assert bool(jnp.all(jnp.isfinite(arr)))
+
+
+@pytest.mark.gpu
+def test_gpu_program_calls_the_kernel():
+    x, g, b, _ = inputs((8, 64))
+    text = compiled_text(jax.grad(lambda x: jnp.sum(layer_norm(x, g, b))), x)
+    assert "jax_ls2_layer_norm_fwd" in text and "jax_ls2_layer_norm_bwd" in text
