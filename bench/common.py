@@ -1,0 +1,109 @@
+"""Timing and CSV helpers shared by the benchmarks.
+
+Every figure comes from `time_fn`: the op is applied to k distinct input copies
+inside one jitted program (so launch overhead is amortised, XLA cannot merge the
+calls, and data larger than the 60 MB L2 is not served from cache), warm-up and
+compilation excluded, device synchronised, median/p20/p80 over >= 50 repetitions
+of the program, divided by k.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import subprocess
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+COPY_GBPS = 4137.0  # measured HBM copy bandwidth (read + write) of the H200 test machine
+MATMUL_TFLOPS = 790.0
+
+FIELDS = ["op", "shape", "dtype", "pass", "impl", "ms_median", "ms_p20", "ms_p80", "gbytes", "gbps",
+          "pct_copy_bw", "speedup_vs_xla", "peak_mem_bytes", "gpu", "jax_version", "commit", "date"]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                                       stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:
+        return os.environ.get("JAX_LS2_COMMIT", "unknown")
+
+
+def gpu_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 60, warmup: int = 3):
+    """Median, p20, p80 in ms of one fn(*args), over one program applying fn to
+    every input set in arg_sets."""
+    prog = jax.jit(lambda sets: [fn(*s) for s in sets])
+    arg_sets = list(arg_sets)
+    for _ in range(warmup):
+        jax.block_until_ready(prog(arg_sets))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(prog(arg_sets))
+        times.append((time.perf_counter() - t0) * 1e3 / len(arg_sets))
+    t = np.asarray(times)
+    return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
+
+
+def copies_for(nbytes: int, target_bytes: int = 1 << 30) -> int:
+    """How many distinct input copies one timed program should process: enough
+    that the program moves about a gigabyte (launch overhead amortised, L2 missed)."""
+    return int(max(4, min(32, np.ceil(target_bytes / max(nbytes, 1)))))
+
+
+class Rows:
+    """Collects CSV rows with the run's metadata."""
+
+    def __init__(self):
+        self.rows = []
+        self.meta = dict(gpu=gpu_name(), jax_version=jax.__version__, commit=git_commit(),
+                         date=datetime.date.today().isoformat())
+
+    def add(self, **kw):
+        row = {k: "" for k in FIELDS}
+        row.update(self.meta)
+        row.update(kw)
+        if "ms_median" in kw and "gbytes" in kw and kw["gbytes"]:
+            row["gbps"] = round(kw["gbytes"] / (kw["ms_median"] * 1e-3), 1)
+            row["pct_copy_bw"] = round(100 * row["gbps"] / COPY_GBPS, 1)
+        for k in ("ms_median", "ms_p20", "ms_p80"):
+            if isinstance(row[k], float):
+                row[k] = round(row[k], 4)
+        self.rows.append(row)
+        return row
+
+    def write(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(self.rows)
+
+    def print_table(self):
+        print(f"{'op':<24}{'shape':<20}{'dtype':<9}{'pass':<9}{'impl':<9}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x xla':>8}")
+        for r in self.rows:
+            print(f"{r['op']:<24}{r['shape']:<20}{r['dtype']:<9}{r['pass']:<9}{r['impl']:<9}"
+                  f"{r['ms_median']:>9}{r['gbps']:>9}{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>8}")
+
+
+def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: Callable, xla: Callable,
+            arg_sets, reps: int = 60, xla_sets=None):
+    """Times ours and xla on the same inputs (or on `xla_sets` when the XLA side needs
+    its own, e.g. its own saved residuals) and records both rows with the speedup."""
+    mx = time_fn(xla, arg_sets if xla_sets is None else xla_sets, reps)
+    mo = time_fn(ours, arg_sets, reps)
+    shape_s = "x".join(str(s) for s in shape)
+    dt = np.dtype(dtype).name
+    rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="xla", ms_median=mx[0], ms_p20=mx[1],
+             ms_p80=mx[2], gbytes=gbytes, speedup_vs_xla=1.0)
+    return rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="jax_ls2", ms_median=mo[0],
+                    ms_p20=mo[1], ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3))

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
+# logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
+#   bash bench/gpu_check.sh [tests|bench|sanitize|all]...   (default: tests bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/latest}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${*:-tests bench}
+export PYTHONUNBUFFERED=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
+summary=()
+
+t0=$(date +%s)
+if ! $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+summary+=("build: ok in $(( $(date +%s) - t0 )) s")
+$PY -c "import jax, jax_ls2; print(jax.devices(), 'kernels:', jax_ls2.cuda_available(), sorted(jax_ls2.registered_targets()))" 2>&1 | tail -2
+
+for step in $STEPS; do
+  case $step in
+    tests)
+      t0=$(date +%s)
+      $PY -m pytest tests -m gpu -q -x --timeout=0 -p no:cacheprovider 2>&1 >"$OUT/gpu_tests.log" \
+        || $PY -m pytest tests -m gpu -q -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+      summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log") ($(( $(date +%s) - t0 )) s)")
+      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+      ;;
+    sanitize)
+      t0=$(date +%s)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest tests -m "gpu and sanitize" -q \
+          -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1
+        summary+=("compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
+      done
+      ;;
+    bench)
+      for b in bench/bench_*.py; do
+        name=$(basename "$b" .py)
+        [ "$name" = bench_models ] && continue
+        t0=$(date +%s)
+        if timeout 300 $PY -m bench.$name --out "$OUT" >"$OUT/$name.log" 2>&1; then
+          summary+=("$name: ok ($(( $(date +%s) - t0 )) s)")
+        else
+          summary+=("$name: FAILED ($(( $(date +%s) - t0 )) s), see $name.log"); tail -5 "$OUT/$name.log"
+        fi
+      done
+      ;;
+    models)
+      t0=$(date +%s)
+      timeout 540 $PY -m bench.bench_models --out "$OUT" >"$OUT/bench_models.log" 2>&1
+      summary+=("bench_models: exit $? ($(( $(date +%s) - t0 )) s)")
+      ;;
+  esac
+done
+
+echo "================ summary"
+printf '%s\n' "${summary[@]}"
+$PY - "$OUT" <<'PYEOF'
+import csv, glob, sys
+for path in sorted(glob.glob(sys.argv[1] + "/*.csv")):
+    rows = list(csv.DictReader(open(path)))
+    ours = [r for r in rows if r.get("impl") == "jax_ls2"]
+    for r in ours:
+        print(f"{r.get('op',''):<22}{r.get('shape',''):<18}{r.get('dtype',''):<9}{r.get('pass',''):<8}"
+              f"{r.get('ms_median',''):>9} ms {r.get('pct_copy_bw',''):>6}%bw  x{r.get('speedup_vs_xla', r.get('speedup_vs_ref',''))}")
+PYEOF
