@@ -1,0 +1,343 @@
+// Bias + dropout + residual and bias + activation + dropout, forward and backward.
+//
+// Layout: a block is (tx, ty) threads; thread x owns one column vector (VEC
+// elements, a 16-byte access when hidden and the pointers allow) of column chunk
+// blockIdx.y and keeps the bias of those columns in registers; the ty row lanes
+// and the grid stride over rows, U rows per thread in flight. The backward keeps
+// each thread's dbias column sums in registers, folds the ty lanes in shared
+// memory in a fixed order and writes one partial row per block (blockIdx.x); a
+// second kernel sums the partial rows (fixed order, so dbias is deterministic).
+//
+// Dropout: element g = seed[2] + row * hidden + col (uint32, wrapping) is kept iff
+// its 16-bit draw >= threshold (csrc/common.cuh, jax_ls2/_random.py); one hash
+// gives the draws of an aligned pair. threshold == 0 selects a variant that
+// neither hashes nor scales. The backward regenerates the mask from the seed.
+#include <algorithm>
+
+#include "common.cuh"
+#include "kernels/dropout.h"
+
+namespace jax_ls2 {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kRowsInFlight = 4;
+enum Kind : int { kBdrFwd = 0, kBdrBwd = 1, kActFwd = 2, kActBwd = 3 };
+
+template <int ACT>
+__device__ __forceinline__ float Act(float v) {
+  if constexpr (ACT == kActRelu) {
+    return fmaxf(v, 0.f);
+  } else if constexpr (ACT == kActGelu) {
+    return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+  } else {
+    const float u = 0.79788456080286536f * (v + 0.044715f * v * v * v);
+    return 0.5f * v * (1.f + tanhf(u));
+  }
+}
+
+template <int ACT>
+__device__ __forceinline__ float ActGrad(float v) {
+  if constexpr (ACT == kActRelu) {
+    return v > 0.f ? 1.f : 0.f;
+  } else if constexpr (ACT == kActGelu) {
+    const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+    const float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
+    return cdf + v * pdf;
+  } else {
+    const float k = 0.79788456080286536f, c = 0.044715f;
+    const float t = tanhf(k * (v + c * v * v * v));
+    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * k * (1.f + 3.f * c * v * v);
+  }
+}
+
+// Keep flags of elements g0 .. g0 + VEC - 1; one hash per aligned pair.
+template <int VEC>
+__device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
+                                        bool (&keep)[VEC]) {
+  if (VEC % 2 == 0 && (g0 & 1u) == 0u) {
+#pragma unroll
+    for (int k = 0; k < VEC / 2; ++k) {
+      const uint32_t h = DropoutHash((g0 >> 1) + k, s.k0, s.k1);
+      keep[2 * k] = (h & 0xffffu) >= threshold;
+      keep[2 * k + 1] = (h >> 16) >= threshold;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
+  }
+}
+
+struct KernelArgs {
+  const void* in0;    // x (forward) or dy (backward)
+  const void* in1;    // residual (bdr forward), x (act backward), else nullptr
+  const void* bias;   // (hidden,) or nullptr
+  const uint32_t* seed;
+  void* out;          // y or dx
+  float* partials;    // backward: (gridDim.x, hidden)
+  int64_t rows, hidden;
+  uint32_t threshold;
+  float scale;
+};
+
+template <typename T, int VEC, int KIND, int ACT, bool DROP>
+__global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
+  constexpr int U = kRowsInFlight;
+  constexpr bool kBwd = KIND == kBdrBwd || KIND == kActBwd;
+  constexpr bool kIn1 = KIND == kBdrFwd || KIND == kActBwd;
+  constexpr bool kBias = KIND != kBdrBwd;
+  const int64_t H = a.hidden;
+  const int64_t col = ((int64_t)blockIdx.y * blockDim.x + threadIdx.x) * VEC;
+  const bool col_ok = col < H;
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+
+  if (col_ok) {
+    float b[VEC];
+    if constexpr (kBias) {
+      LoadFloats<T, VEC>(static_cast<const T*>(a.bias) + col, b);
+    }
+    DropoutSeed s{0u, 0u, 0u};
+    if constexpr (DROP) s = DropoutSeed{a.seed[0], a.seed[1], a.seed[2]};
+    const T* in0 = static_cast<const T*>(a.in0);
+    const T* in1 = static_cast<const T*>(a.in1);
+    T* out = static_cast<T*>(a.out);
+    const int64_t stride = (int64_t)gridDim.x * blockDim.y;
+    for (int64_t r0 = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; r0 < a.rows; r0 += stride * U) {
+      // Raw packs in flight (half the registers of floats for 16-bit types).
+      Pack<T, VEC> p0[U], p1[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t row = r0 + u * stride;
+        if (row < a.rows) {
+          const int64_t off = row * H + col;
+          p0[u] = *reinterpret_cast<const Pack<T, VEC>*>(in0 + off);
+          if constexpr (kIn1) p1[u] = *reinterpret_cast<const Pack<T, VEC>*>(in1 + off);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t row = r0 + u * stride;
+        if (row < a.rows) {
+          const int64_t off = row * H + col;
+          bool keep[VEC];
+          if constexpr (DROP) {
+            KeepVec<VEC>(s.offset + (uint32_t)off, s, a.threshold, keep);
+          }
+          float o[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const bool kept = DROP ? keep[j] : true;
+            const float x0 = ToFloat(p0[u].v[j]);
+            const float x1 = kIn1 ? ToFloat(p1[u].v[j]) : 0.f;
+            float t;
+            if constexpr (KIND == kBdrFwd) {
+              t = __fadd_rn(x0, b[j]);
+              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+              t = __fadd_rn(x1, t);
+            } else if constexpr (KIND == kBdrBwd) {
+              t = x0;
+              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+              acc[j] += t;
+            } else if constexpr (KIND == kActFwd) {
+              t = Act<ACT>(__fadd_rn(x0, b[j]));
+              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+            } else {
+              t = __fmul_rn(x0, ActGrad<ACT>(__fadd_rn(x1, b[j])));
+              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+              acc[j] += t;
+            }
+            o[j] = t;
+          }
+          StoreFloats<T, VEC>(out + off, o);
+        }
+      }
+    }
+  }
+
+  if constexpr (kBwd) {
+    __shared__ float fold[kMaxThreads * VEC];
+    const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) fold[slot + j] = acc[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && col_ok) {
+      float* part = a.partials + (int64_t)blockIdx.x * H + col;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float s = fold[threadIdx.x * VEC + j];
+        for (int yy = 1; yy < (int)blockDim.y; ++yy) s += fold[(yy * blockDim.x + threadIdx.x) * VEC + j];
+        part[j] = s;
+      }
+    }
+  }
+}
+
+// dbias[c] = sum_p partials[p][c]; 16 lanes per column, folded in a fixed order.
+__global__ void __launch_bounds__(512) SumPartialsKernel(const float* partials, int parts, int64_t hidden,
+                                                         float* dbias) {
+  __shared__ float s[16][33];
+  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  float v = 0.f;
+  if (c < hidden)
+    for (int p = threadIdx.y; p < parts; p += 16) v += partials[(int64_t)p * hidden + c];
+  s[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < hidden) {
+    float t = s[0][threadIdx.x];
+    for (int y = 1; y < 16; ++y) t += s[y][threadIdx.x];
+    dbias[c] = t;
+  }
+}
+
+int SmCount() {
+  static int count = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) !=
+                                                   cudaSuccess)
+      n = 132;
+    return n > 0 ? n : 132;
+  }();
+  return count;
+}
+
+bool Aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+struct Shape {
+  dim3 block, grid;
+  int vec;
+};
+
+// Block (tx, ty) with tx covering the column vectors (chunks of <= 512 in grid.y);
+// grid.x row-blocks, at most max_blocks.
+Shape PickShape(int64_t rows, int64_t hidden, int vec, int64_t max_blocks) {
+  const int64_t nvec = hidden / vec;
+  const int tx = (int)std::min<int64_t>((nvec + 31) / 32 * 32, kMaxThreads);
+  const int ty = std::max(1, kMaxThreads / tx);
+  const int64_t gy = (nvec + tx - 1) / tx;
+  const int64_t per_block = (int64_t)ty * kRowsInFlight;
+  const int64_t need = (rows + per_block - 1) / per_block;
+  const int64_t resident = std::max<int64_t>(1, (int64_t)SmCount() * (2048 / (tx * ty)) / gy);
+  const int64_t gx = std::max<int64_t>(1, std::min({need, resident, max_blocks}));
+  return Shape{dim3(tx, ty), dim3((unsigned)gx, (unsigned)gy), vec};
+}
+
+template <typename T>
+int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
+  constexpr int kVec = kPack<T>;
+  if (hidden % kVec != 0) return 1;
+  for (const void* p : ptrs)
+    if (!Aligned16(p)) return 1;
+  return kVec;
+}
+
+// Caps grid.x at what stays resident (one wave) and launches; sh.grid.x is then
+// the number of partial rows the backward writes.
+template <typename Kernel>
+void LaunchResident(Kernel kernel, int* per_sm_cache, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+  const int threads = (int)(sh.block.x * sh.block.y);
+  int& per_sm = per_sm_cache[threads / 32];  // occupancy depends only on the block size here
+  if (per_sm == 0 &&
+      (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || per_sm < 1))
+    per_sm = 1;
+  const int64_t cap = std::max<int64_t>(1, (int64_t)per_sm * SmCount() / sh.grid.y);
+  sh.grid.x = (unsigned)std::min<int64_t>(sh.grid.x, cap);
+  kernel<<<sh.grid, sh.block, 0, stream>>>(k);
+}
+
+template <typename T, int KIND, int ACT, bool DROP>
+void LaunchOne(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+  constexpr int kVec = kPack<T>;
+  static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
+  if (sh.vec == kVec)
+    LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP>, per_sm_vec, sh, k, stream);
+  else
+    LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP>, per_sm_scalar, sh, k, stream);
+}
+
+template <typename T, int KIND, int ACT>
+void LaunchDrop(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+  if (k.threshold == 0)
+    LaunchOne<T, KIND, ACT, false>(sh, k, stream);
+  else
+    LaunchOne<T, KIND, ACT, true>(sh, k, stream);
+}
+
+template <typename T, int KIND>
+cudaError_t LaunchAct(int act, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+  switch (act) {
+    case kActRelu: LaunchDrop<T, KIND, kActRelu>(sh, k, stream); break;
+    case kActGelu: LaunchDrop<T, KIND, kActGelu>(sh, k, stream); break;
+    case kActGeluTanh: LaunchDrop<T, KIND, kActGeluTanh>(sh, k, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, int KIND>
+cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
+  if (a.hidden == 0) return cudaSuccess;
+  if (a.rows == 0) {
+    cudaMemsetAsync(a.dbias, 0, a.hidden * sizeof(float), stream);
+    return cudaGetLastError();
+  }
+  if (a.max_parts < 1) return cudaErrorInvalidValue;
+  const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
+  Shape sh = PickShape(a.rows, a.hidden, vec, std::min<int64_t>(a.max_parts, 2 * SmCount()));
+  KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale};
+  cudaError_t err;
+  if constexpr (KIND == kBdrBwd) {
+    LaunchDrop<T, KIND, kActRelu>(sh, k, stream);
+    err = cudaGetLastError();
+  } else {
+    err = LaunchAct<T, KIND>(a.activation, sh, k, stream);
+  }
+  if (err != cudaSuccess) return err;
+  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, 16), 0, stream>>>(a.partials, (int)sh.grid.x,
+                                                                                   a.hidden, a.dbias);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
+  const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
+  Shape sh = PickShape(a.rows, a.hidden, vec, INT32_MAX);
+  KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
+  LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, stream);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
+  const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
+  Shape sh = PickShape(a.rows, a.hidden, vec, INT32_MAX);
+  KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
+  return LaunchAct<T, kActFwd>(a.activation, sh, k, stream);
+}
+
+template <typename T>
+cudaError_t LaunchBiasDropoutResidualBwd(const DropoutBwdArgs& a, cudaStream_t stream) {
+  return Bwd<T, kBdrBwd>(a, stream);
+}
+
+template <typename T>
+cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, cudaStream_t stream) {
+  return Bwd<T, kActBwd>(a, stream);
+}
+
+#define JAX_LS2_INSTANTIATE(T)                                                                   \
+  template cudaError_t LaunchBiasDropoutResidualFwd<T>(const DropoutFwdArgs&, cudaStream_t);    \
+  template cudaError_t LaunchBiasDropoutResidualBwd<T>(const DropoutBwdArgs&, cudaStream_t);    \
+  template cudaError_t LaunchBiasActDropoutFwd<T>(const DropoutFwdArgs&, cudaStream_t);         \
+  template cudaError_t LaunchBiasActDropoutBwd<T>(const DropoutBwdArgs&, cudaStream_t);
+JAX_LS2_INSTANTIATE(float)
+JAX_LS2_INSTANTIATE(__half)
+JAX_LS2_INSTANTIATE(__nv_bfloat16)
+#undef JAX_LS2_INSTANTIATE
+
+}  // namespace jax_ls2
