@@ -1,0 +1,52 @@
+"""BERT for masked language modelling (post-LN, GELU), HF ``BertForMaskedLM`` layout."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_models.configs import Config
+
+
+class Bert(nnx.Module):
+    """``__call__(input_ids, *, token_type_ids=None, padding_mask=None)``: ids int (B, T),
+    padding_mask bool (B, T) True = token -> logits (B, T, vocab).
+    ``loss(batch)``: batch {"input_ids", "labels" (-100 = not predicted), optional
+    "padding_mask"} -> (mean loss, {"tokens": counted tokens})."""
+
+    def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.embed = lib.Embedding(cfg.vocab_size, h, max_positions=cfg.max_len, **kw)
+        self.token_type = nnx.Embed(cfg.type_vocab_size, h,
+                                    embedding_init=nnx.initializers.normal(0.02), **kw)
+        self.embed_ln = lib.LayerNorm(h, epsilon=cfg.layer_norm_eps, dtype=dtype,
+                                      param_dtype=param_dtype, rngs=rngs)
+        self.embed_drop = lib.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.encoder = lib.TransformerEncoder(
+            cfg.num_layers, h, cfg.ffn_size, cfg.num_heads, pre_layer_norm=False,
+            activation="gelu", attn_dropout=cfg.attn_dropout,
+            activation_dropout=cfg.activation_dropout, hidden_dropout=cfg.hidden_dropout,
+            layer_norm_eps=cfg.layer_norm_eps, attention_backend=cfg.attention_backend,
+            remat=cfg.remat, **kw)
+        self.mlm_dense = nnx.Linear(h, h, **kw)
+        self.mlm_ln = lib.LayerNorm(h, epsilon=cfg.layer_norm_eps, dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs)
+        self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype))
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
+
+    def __call__(self, input_ids, *, token_type_ids=None, padding_mask=None):
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = self.embed(input_ids)
+        x = self.embed_drop(self.embed_ln(x + self.token_type(token_type_ids).astype(x.dtype)))
+        x = self.encoder(x, padding_mask=padding_mask)
+        x = self.mlm_ln(jax.nn.gelu(self.mlm_dense(x), approximate=False))
+        logits = self.embed.attend(x)
+        return logits + self.mlm_bias[...].astype(logits.dtype)
+
+    def loss(self, batch):
+        logits = self(batch["input_ids"], padding_mask=batch.get("padding_mask"))
+        loss, count = self.criterion(logits, batch["labels"])
+        return loss, {"tokens": count}

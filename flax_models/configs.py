@@ -1,0 +1,79 @@
+"""Model configurations and presets (tiny for CPUs, and the standard sizes)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One model's hyper-parameters. ``family`` picks the model class.
+
+    Common: vocab_size, hidden_size, num_layers (decoder layers for "transformer" too),
+    num_heads, ffn_size, max_len (positions / longest sequence), the three dropout rates,
+    layer_norm_eps, attention_backend, remat. Family-specific: type_vocab_size (bert),
+    label_smoothing / pad_id (transformer), image_size / patch_size / channels /
+    num_classes (vit).
+    """
+    family: str
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_size: int = 128
+    max_len: int = 128
+    hidden_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    attention_backend: str = "auto"
+    remat: bool = False
+    type_vocab_size: int = 2
+    label_smoothing: float = 0.1
+    pad_id: int = 0
+    image_size: int = 32
+    patch_size: int = 8
+    channels: int = 3
+    num_classes: int = 10
+
+    def replace(self, **kw) -> "Config":
+        unknown = set(kw) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"Config: unknown fields {sorted(unknown)}")
+        return dataclasses.replace(self, **kw)
+
+
+PRESETS: dict[str, dict[str, Config]] = {
+    "bert": {
+        "tiny": Config("bert", layer_norm_eps=1e-12),
+        "base": Config("bert", vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
+                       ffn_size=3072, max_len=512, hidden_dropout=0.1, attn_dropout=0.1,
+                       layer_norm_eps=1e-12),
+    },
+    "gpt": {
+        "tiny": Config("gpt"),
+        "small": Config("gpt", vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+                        ffn_size=3072, max_len=1024, hidden_dropout=0.1, attn_dropout=0.1),
+        "medium": Config("gpt", vocab_size=50257, hidden_size=1024, num_layers=24, num_heads=16,
+                         ffn_size=4096, max_len=1024, hidden_dropout=0.1, attn_dropout=0.1),
+    },
+    "transformer": {
+        "tiny": Config("transformer", vocab_size=64),
+        "base": Config("transformer", vocab_size=32768, hidden_size=512, num_layers=6,
+                       num_heads=8, ffn_size=2048, max_len=256, hidden_dropout=0.1,
+                       attn_dropout=0.1, activation_dropout=0.1),
+    },
+    "vit": {
+        "tiny": Config("vit", layer_norm_eps=1e-12),
+        "b16": Config("vit", hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
+                      image_size=224, patch_size=16, num_classes=1000, layer_norm_eps=1e-12),
+    },
+}
+
+
+def get_config(family: str, preset: str = "tiny", **overrides) -> Config:
+    if family not in PRESETS:
+        raise ValueError(f"get_config: family must be one of {sorted(PRESETS)}, got {family!r}")
+    if preset not in PRESETS[family]:
+        raise ValueError(f"get_config: preset for {family!r} must be one of "
+                         f"{sorted(PRESETS[family])}, got {preset!r}")
+    return PRESETS[family][preset].replace(**overrides)

@@ -1,0 +1,32 @@
+"""GPT-2 style causal language model (pre-LN, tanh-GELU, tied output embedding)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_models.configs import Config
+
+
+class GPT(nnx.Module):
+    """``__call__(input_ids)``: ids int (B, T) -> logits (B, T, vocab).
+    ``loss(batch)``: batch {"input_ids", "labels"} (labels = next tokens, -100 ignored)."""
+
+    def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.cfg = cfg
+        self.embed = lib.Embedding(cfg.vocab_size, cfg.hidden_size, max_positions=cfg.max_len,
+                                   dropout=cfg.hidden_dropout, **kw)
+        self.decoder = lib.TransformerEncoder(
+            cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.num_heads, pre_layer_norm=True,
+            final_layer_norm=True, activation="gelu_tanh", attn_dropout=cfg.attn_dropout,
+            activation_dropout=cfg.activation_dropout, hidden_dropout=cfg.hidden_dropout,
+            layer_norm_eps=cfg.layer_norm_eps, attention_backend=cfg.attention_backend,
+            remat=cfg.remat, **kw)
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
+
+    def __call__(self, input_ids):
+        return self.embed.attend(self.decoder(self.embed(input_ids), causal=True))
+
+    def loss(self, batch):
+        loss, count = self.criterion(self(batch["input_ids"]), batch["labels"])
+        return loss, {"tokens": count}

@@ -1,0 +1,45 @@
+"""Encoder-decoder Transformer for translation-style tasks (pre-LN, ReLU, sinusoidal
+positions, one embedding shared by source, target and output; label-smoothed loss)."""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_models.configs import Config
+
+
+class Transformer(nnx.Module):
+    """``__call__(src, tgt_in)``: int (B, S), (B, T), ``cfg.pad_id`` padding -> logits
+    (B, T, vocab). ``loss(batch)``: batch {"src", "tgt_in", "tgt_out"}."""
+
+    def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        layer = dict(pre_layer_norm=True, activation="relu", attn_dropout=cfg.attn_dropout,
+                     activation_dropout=cfg.activation_dropout,
+                     hidden_dropout=cfg.hidden_dropout, layer_norm_eps=cfg.layer_norm_eps,
+                     attention_backend=cfg.attention_backend, remat=cfg.remat, **kw)
+        self.cfg = cfg
+        self.embed = lib.Embedding(cfg.vocab_size, cfg.hidden_size, sinusoidal=True,
+                                   scale=math.sqrt(cfg.hidden_size), padding_idx=cfg.pad_id,
+                                   dropout=cfg.hidden_dropout,
+                                   embedding_init=nnx.initializers.normal(cfg.hidden_size ** -0.5),
+                                   **kw)
+        self.encoder = lib.TransformerEncoder(cfg.num_layers, cfg.hidden_size, cfg.ffn_size,
+                                              cfg.num_heads, **layer)
+        self.decoder = lib.TransformerDecoder(cfg.num_layers, cfg.hidden_size, cfg.ffn_size,
+                                              cfg.num_heads, **layer)
+        self.criterion = lib.CrossEntropyCriterion(label_smoothing=cfg.label_smoothing,
+                                                   ignore_index=cfg.pad_id)
+
+    def __call__(self, src, tgt_in):
+        src_mask = src != self.cfg.pad_id
+        memory = self.encoder(self.embed(src), padding_mask=src_mask)
+        out = self.decoder(self.embed(tgt_in), memory, memory_padding_mask=src_mask)
+        return self.embed.attend(out)
+
+    def loss(self, batch):
+        logits = self(batch["src"], batch["tgt_in"])
+        loss, count = self.criterion(logits, batch["tgt_out"])
+        return loss, {"tokens": count}
