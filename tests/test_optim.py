@@ -1,0 +1,308 @@
+"""jax_ls2.optim against optax (CPU: the pure-JAX reference; GPU tests at the end)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_ls2
+from jax_ls2 import optim
+from jax_ls2.optim import _reference
+
+SHAPES = [(), (1,), (7,), (3, 5), (129,), (33, 17), (1, 1), (2, 3, 4), (1031,), (0,), (64, 9)]
+
+
+def make_params(seed=0, dtypes=(jnp.float32,)):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, s in enumerate(SHAPES):
+        dt = dtypes[i % len(dtypes)]
+        params[f"w{i}"] = jnp.asarray(rng.normal(size=s), jnp.float32).astype(dt)
+    params["nested"] = {"bias": jnp.asarray(rng.normal(size=(5,)), jnp.float32).astype(dtypes[0]),
+                        "scale": jnp.asarray(rng.normal(size=()), jnp.float32).astype(dtypes[-1])}
+    return params
+
+
+def grads_at(params, step, seed=1):
+    """Fresh, deterministic pseudo-gradients (a quadratic pull plus noise) per step."""
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed * 1000 + step)
+    out = [(x.astype(jnp.float32) * 0.5 + jnp.asarray(rng.normal(size=x.shape), jnp.float32)).astype(x.dtype)
+           for x in leaves]
+    return jax.tree.unflatten(treedef, out)
+
+
+def run(tx, params, steps, fused=False, grads_fn=grads_at):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, g):
+        if fused:
+            return optim.apply_updates(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for t in range(steps):
+        params, state = step(params, state, grads_fn(params, t))
+    return params, state
+
+
+def assert_tree_close(a, b, rtol, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------- parity with optax, float32
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_matches_optax_100_steps(fused):
+    params = make_params()
+    mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, 100, 1e-3)
+    ours, _ = run(optim.adamw(sched, weight_decay=0.1, mask=mask), params, 100, fused=fused)
+    ref, _ = run(optax.adamw(sched, weight_decay=0.1, mask=mask), params, 100)
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+    # the run moved the params far from where they started
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in
+               zip(jax.tree.leaves(ref), jax.tree.leaves(params)) if a.size) > 0.1
+
+
+def test_adam_matches_optax_100_steps():
+    params = make_params(3)
+    ours, _ = run(optim.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6), params, 100)
+    ref, _ = run(optax.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6), params, 100)
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(None, False), (0.9, False), (0.9, True)])
+def test_sgd_matches_optax_100_steps(momentum, nesterov):
+    params = make_params(4)
+    ours, _ = run(optim.sgd(1e-2, momentum=momentum, nesterov=nesterov), params, 100, fused=True)
+    ref, _ = run(optax.sgd(1e-2, momentum=momentum, nesterov=nesterov), params, 100)
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_mixed_dtypes_master_weights_follow_float32_optax():
+    """bf16/f16/f32 leaves with an f32 master: the master follows optax run in f32 on the
+    same gradients, and each low-precision param is its master rounded to nearest."""
+    params = make_params(5, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16))
+    tx = optim.adamw(1e-2, weight_decay=0.05, master_weights=True)
+    ref_tx = optax.adamw(1e-2, weight_decay=0.05)
+    state, ref_state = tx.init(params), ref_tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+    p, ref_p = params, jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    step = jax.jit(lambda g, s, p: optim.apply_updates(tx, g, s, p))
+    ref_step = jax.jit(ref_tx.update)
+    for t in range(100):
+        g = grads_at(p, t)  # grads in each leaf's dtype
+        p, state = step(g, state, p)
+        u, ref_state = ref_step(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_state, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    leaves, treedef = jax.tree.flatten(p)
+    from jax_ls2.optim._layout import layout_of, unflatten
+    master = jax.tree.unflatten(treedef, unflatten(state.master, layout_of(leaves)))
+    assert_tree_close(master, ref_p, rtol=2e-6, atol=2e-6)
+    assert_tree_close(p, jax.tree.map(lambda m, x: m.astype(x.dtype), master, p), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- composition with optax
+def test_chain_after_clip_and_builtin_clip():
+    params = make_params(6)
+    big = lambda p, t: jax.tree.map(lambda g: g * 50, grads_at(p, t))
+    ref, _ = run(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), params, 30, grads_fn=big)
+    chained, _ = run(optax.chain(optax.clip_by_global_norm(1.0), optim.adamw(1e-2)), params, 30, grads_fn=big)
+    builtin, st = run(optim.adamw(1e-2, max_grad_norm=1.0), params, 30, fused=True, grads_fn=big)
+    assert_tree_close(chained, ref, rtol=2e-6, atol=2e-6)
+    assert_tree_close(builtin, ref, rtol=2e-6, atol=2e-6)
+    assert float(st.grad_norm) > 1.0
+
+
+def test_inject_hyperparams_changes_learning_rate():
+    params = make_params(7)
+    tx = optax.inject_hyperparams(optim.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    ref_tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    s, rs, p, rp = tx.init(params), ref_tx.init(params), params, params
+    for t in range(20):
+        if t == 10:
+            s.hyperparams["learning_rate"] = jnp.asarray(3e-3)
+            rs.hyperparams["learning_rate"] = jnp.asarray(3e-3)
+        g = grads_at(p, t)
+        u, s = jax.jit(tx.update)(g, s, p)
+        p = optax.apply_updates(p, u)
+        ru, rs = jax.jit(ref_tx.update)(g, rs, rp)
+        rp = optax.apply_updates(rp, ru)
+    assert_tree_close(p, rp, rtol=2e-6, atol=2e-6)
+
+
+def test_multisteps_matches_optax():
+    params = make_params(8)
+    ours, _ = run(optax.MultiSteps(optim.adamw(1e-2), every_k_schedule=3), params, 12)
+    ref, _ = run(optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=3), params, 12)
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+
+
+def with_inf_at(step_with_inf):
+    def fn(p, t):
+        g = grads_at(p, t)
+        if t == step_with_inf:
+            g = dict(g, w3=g["w3"].at[1, 2].set(jnp.inf))
+        return g
+    return fn
+
+
+def test_apply_if_finite_skips_inf_step():
+    params = make_params(9)
+    ours, _ = run(optax.apply_if_finite(optim.adamw(1e-2), 3), params, 10, grads_fn=with_inf_at(4))
+    ref, _ = run(optax.apply_if_finite(optax.adamw(1e-2), 3), params, 10, grads_fn=with_inf_at(4))
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ours))
+
+
+# ---------------------------------------------------------------- loss scaling and overflow
+@pytest.mark.parametrize("fused", [False, True])
+def test_dynamic_loss_scale_skips_overflow(fused):
+    params = make_params(10, dtypes=(jnp.float16, jnp.float32))
+    tx = optim.adamw(1e-2, loss_scale="dynamic", initial_loss_scale=1024.0, growth_interval=3,
+                     master_weights=True)
+    state = tx.init(params)
+    step = jax.jit((lambda g, s, p: optim.apply_updates(tx, g, s, p)) if fused else
+                   (lambda g, s, p: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p))))
+    scaled = lambda p, t, s: jax.tree.map(lambda g: (g.astype(jnp.float32) * s).astype(g.dtype), grads_at(p, t))
+    p = params
+    p, state = step(scaled(p, 0, 1024.0), state, p)
+    assert int(state.count) == 1 and bool(state.finite)
+    before_p, before_s = p, state
+    bad = scaled(p, 1, 1024.0)
+    bad = dict(bad, w5=bad["w5"].at[3, 4].set(jnp.nan))
+    p, state = step(bad, state, p)
+    assert not bool(state.finite)
+    assert int(state.count) == 1
+    assert float(state.loss_scale) == 512.0
+    assert_tree_close(p, before_p, rtol=0, atol=0)
+    for name in ("mu", "nu", "master"):
+        np.testing.assert_array_equal(np.asarray(getattr(state, name)), np.asarray(getattr(before_s, name)))
+    for t in range(2, 5):  # three good steps in a row grow the scale back
+        p, state = step(scaled(p, t, float(state.loss_scale)), state, p)
+    assert int(state.count) == 4 and float(state.loss_scale) == 1024.0 and int(state.good_steps) == 0
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p))
+
+
+def test_static_loss_scale_unscales():
+    params = make_params(11)
+    ref, _ = run(optax.adamw(1e-2), params, 10)
+    scaled = lambda p, t: jax.tree.map(lambda g: g * 256.0, grads_at(p, t))
+    ours, st = run(optim.adamw(1e-2, loss_scale=256.0), params, 10, fused=True, grads_fn=scaled)
+    assert_tree_close(ours, ref, rtol=2e-6, atol=2e-6)
+    assert float(optim.scale_loss(jnp.float32(2.0), (st,))) == 512.0
+
+
+# ---------------------------------------------------------------- stochastic rounding
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_rounding_is_unbiased(dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(-3, 3, size=(257,)), jnp.float32)
+    n = 2000
+    seeds = jnp.stack([jnp.asarray([k, 7, 3, 0], jnp.uint32) for k in range(n)])
+    idx = jnp.arange(x.size, dtype=jnp.uint32)
+    rounded = jax.vmap(lambda s: _reference.round_stochastic(x, dtype, _reference.sr_bits(idx, s)))(seeds)
+    r = np.asarray(rounded.astype(jnp.float32), np.float64)
+    lo = np.minimum.reduce(r, axis=0)
+    hi = np.maximum.reduce(r, axis=0)
+    xs = np.asarray(x, np.float64)
+    # every draw is one of the two neighbours
+    assert np.all((lo <= xs) & (xs <= hi))
+    p = np.clip((xs - lo) / np.maximum(hi - lo, 1e-30), 0, 1)
+    sd = (hi - lo) * np.sqrt(p * (1 - p) / n)
+    err = np.abs(r.mean(axis=0) - xs)
+    assert np.all(err <= 5 * sd + 1e-12), float(np.max(err / np.maximum(sd, 1e-30)))
+    # round-to-nearest is biased on the same inputs
+    near = np.asarray(x.astype(dtype).astype(jnp.float32), np.float64)
+    assert np.mean(np.abs(near - xs)) > 10 * np.mean(err)
+
+
+def test_stochastic_rounding_keeps_small_updates():
+    """bf16 params without master: updates far below half an ulp vanish with rounding
+    to nearest, while stochastic rounding moves the params by the right amount on average."""
+    params = {"w": jnp.ones((4096,), jnp.bfloat16)}
+    grads = lambda p, t: {"w": jnp.ones((4096,), jnp.bfloat16)}
+    sgd = lambda sr: optim.sgd(1e-4, stochastic_rounding=sr, seed=3)
+    near, _ = run(sgd(False), params, 50, fused=True, grads_fn=grads)
+    sto, _ = run(sgd(True), params, 50, fused=True, grads_fn=grads)
+    assert float(jnp.max(jnp.abs(near["w"].astype(jnp.float32) - 1.0))) == 0.0
+    mean = float(jnp.mean(sto["w"].astype(jnp.float32)))
+    assert abs(mean - (1.0 - 50 * 1e-4)) < 5e-4, mean
+
+
+# ---------------------------------------------------------------- accumulation, memory, lowering
+def test_accumulate_then_update_equals_mean_gradient():
+    params = make_params(12, dtypes=(jnp.float32, jnp.bfloat16))
+    tx = optim.adamw(1e-2, master_weights=True)
+    micro = [grads_at(params, t) for t in range(4)]
+    acc = optim.init_accumulator(params)
+    add = jax.jit(optim.accumulate, donate_argnums=0)
+    for g in micro:
+        acc = add(acc, g, 0.25)
+    mean = jax.tree.map(lambda *gs: sum(g.astype(jnp.float32) for g in gs) * 0.25, *micro)
+    assert_tree_close(optim.unflatten_grads(acc, params), mean, rtol=1e-6, atol=1e-6)
+    state = tx.init(params)
+    p1, _ = jax.jit(lambda g, s, p: optim.apply_updates(tx, g, s, p))(acc, state, params)
+    p2, _ = jax.jit(lambda g, s, p: optim.apply_updates(tx, g, s, p))(optim.unflatten_grads(acc, params),
+                                                                      state, params)
+    assert_tree_close(p1, p2, rtol=0, atol=0)
+
+
+def test_no_master_bf16_holds_at_most_12_bytes_per_param():
+    params = {f"w{i}": jnp.zeros((1000 + i, 64), jnp.bfloat16) for i in range(8)}
+    tx = optim.adamw(1e-3, stochastic_rounding=True)
+    state = tx.init(params)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+    total = 2 * nbytes(params) + nbytes(state)  # params + grads (same dtype) + state
+    assert total / n <= 12.0 + 1e-3, total / n
+    half = optim.adamw(1e-3, moment_dtype=jnp.bfloat16).init(params)
+    assert (2 * nbytes(params) + nbytes(half)) / n <= 8.0 + 1e-3
+
+
+def _custom_calls(tx, params, fused=True):
+    g = jax.tree.map(jnp.ones_like, params)
+    fn = (lambda g, s, p: optim.apply_updates(tx, g, s, p)) if fused else tx.update
+    text = jax.jit(fn).trace(g, tx.init(params), params).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("stablehlo.custom_call @jax_ls2_optim_update"), text
+
+
+@pytest.mark.skipif(not jax_ls2._ffi.has_target("jax_ls2_optim_update"), reason="extension not built")
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_lowering_one_custom_call_whatever_the_leaves(fused):
+    small = {f"w{i}": jnp.zeros((3, i + 1)) for i in range(5)}
+    large = {f"w{i}": jnp.zeros((i % 7 + 1, 5)) for i in range(600)}
+    tx = optim.adamw(1e-3, max_grad_norm=1.0, loss_scale="dynamic")
+    n_small, _ = _custom_calls(tx, small, fused)
+    n_large, text = _custom_calls(tx, large, fused)
+    assert n_small == n_large == 1
+    assert text.count("output_operand_alias") >= 600 + 2
+
+
+@pytest.mark.skipif(not jax_ls2._ffi.has_target("jax_ls2_optim_accumulate"), reason="extension not built")
+def test_cuda_lowering_accumulate_one_custom_call():
+    params = {f"w{i}": jnp.zeros((i + 1,)) for i in range(300)}
+    acc = optim.init_accumulator(params)
+    text = jax.jit(optim.accumulate).trace(acc, params).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_ls2_optim_accumulate") == 1
+
+
+# ---------------------------------------------------------------- validation
+def test_validation_messages():
+    params = {"a": jnp.zeros((3,))}
+    tx = optim.adamw(1e-3)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="adamw: grads leaf 0 must have shape"):
+        tx.update({"a": jnp.zeros((4,))}, state, params)
+    with pytest.raises(TypeError, match="adamw: params leaf 0 must have dtype"):
+        tx.init({"a": jnp.zeros((3,), jnp.int32)})
+    with pytest.raises(ValueError, match="adamw: params are required"):
+        tx.update(params, state, None)
+    with pytest.raises(ValueError, match="loss_scale must be None, a number or 'dynamic'"):
+        optim.adam(1e-3, loss_scale="auto")
+    with pytest.raises(TypeError, match="moment_dtype must be float32 or bfloat16"):
+        optim.adam(1e-3, moment_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="apply_updates: tx must be a transformation made by jax_ls2.optim"):
+        optim.apply_updates(optax.adam(1e-3), params, state, params)
