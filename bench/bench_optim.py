@@ -1,0 +1,208 @@
+"""Fused optimizer benchmark: the AdamW update over BERT-base's parameter pytree
+(199 leaves, 109.5M params), and its share of a full jitted BERT-base train step.
+
+    python -m bench.bench_optim --out DIR [--parts update,train] [--batch 16 --seq 128] [--small]
+
+update: the update alone, K steps inside one jitted ``fori_loop`` with params and state
+  donated (in place), per-step median/p20/p80 over >= 50 repetitions; GB/s counts the
+  bytes each implementation must move per step (its own bytes/param, in the op name).
+  impls: optax (optax.adamw per leaf + apply_updates), jax_ls2 (optim.apply_updates,
+  one fused pass), jax_ls2_std (optim.adamw update + optax.apply_updates), xla_flat (the
+  same AdamW as one XLA fusion over flat fp32 buffers: a ceiling, not a usable optimizer).
+train: BERT-base (flax_models, plain layers, bf16 compute) train steps: a step returning
+  the grads without updating, an optax.adamw step and a jax_ls2 step, same run. The
+  update's share = step - grads-only step, reported in ms and as a multiple of the
+  bytes-over-copy-bandwidth floor of the jax_ls2 mode ("x_floor" in the impl column).
+Modes: fp32 (fp32 params and moments), bf16 (bf16 params, fp32 moments, no master, stochastic rounding).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bench.common import COPY_GBPS, Rows
+from jax_ls2 import optim
+
+B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.01, 1e-4
+
+
+def bert_base_shapes(vocab=30522, hidden=768, layers=12, ffn=3072, max_pos=512):
+    """BERT-base's leaf shapes: embeddings, 12 x (q, k, v, out, ffn1, ffn2 kernels and biases,
+    2 LayerNorms), pooler: 199 leaves."""
+    h = hidden
+    shapes = [(vocab, h), (max_pos, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        shapes += [(h, h), (h,)] * 4 + [(h, ffn), (ffn,), (ffn, h), (h,), (h,), (h,), (h,), (h,)]
+    shapes += [(h, h), (h,)]
+    return shapes
+
+
+def make_tree(shapes, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return {f"p{i:03d}": (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+            for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+def timed(fn, args, reps, k):
+    """Per-step ms (median, p20, p80) of fn(args) -> args run k times per call."""
+    args = fn(*args)  # compile + warm up
+    args = fn(*args)
+    jax.block_until_ready(args)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        args = fn(*args)
+        jax.block_until_ready(args)
+        times.append((time.perf_counter() - t0) * 1e3 / k)
+    t = np.asarray(times)
+    return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
+
+
+def loop(step, k):
+    def run(params, state, grads):
+        p, s = jax.lax.fori_loop(0, k, lambda i, c: step(grads, c[1], c[0]), (params, state))
+        return p, s, grads
+    return jax.jit(run, donate_argnums=(0, 1))
+
+
+def optax_step(tx):
+    def step(g, s, p):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    return step
+
+
+def fused_step(tx):
+    return lambda g, s, p: optim.apply_updates(tx, g, s, p)
+
+
+def xla_flat_step(g, s, p):
+    m, v, t = s
+    t = t + 1
+    m = (1 - B1) * g + B1 * m
+    v = (1 - B2) * g * g + B2 * v
+    u = (m / (1 - B1 ** t)) / (jnp.sqrt(v / (1 - B2 ** t)) + EPS) + WD * p
+    return p - LR * u, (m, v, t)
+
+
+MODES = {  # name: (param dtype, fused kwargs, bytes/param of the fused update)
+    "fp32": (jnp.float32, dict(), 28),
+    "bf16": (jnp.bfloat16, dict(stochastic_rounding=True), 22),
+}
+
+
+def bench_update(rows, shapes, reps, k):
+    n = sum(int(np.prod(s)) for s in shapes)
+    shape_s = f"bert_base_{len(shapes)}leaves_{n}"
+    for mode, (dt, kw, bpp) in MODES.items():
+        params = make_tree(shapes, dt)
+        grads = make_tree(shapes, dt, seed=1)
+        esize = jnp.dtype(dt).itemsize
+        results = {}
+        tx_optax = optax.adamw(LR, B1, B2, EPS, weight_decay=WD)
+        optax_bpp = 7 * esize  # g, p, m, v read; p, m, v written, all in the param dtype
+        results["optax"] = (timed(loop(optax_step(tx_optax), k), (params, tx_optax.init(params), grads), reps, k),
+                            optax_bpp)
+        del params
+        tx = optim.adamw(LR, B1, B2, EPS, weight_decay=WD, **kw)
+        p = make_tree(shapes, dt)
+        results["jax_ls2"] = (timed(loop(fused_step(tx), k), (p, tx.init(p), grads), reps, k), bpp)
+        del p
+        p = make_tree(shapes, dt)
+        std_bpp = 4 * esize + 8 + 8 + 2 * esize + 2 * esize  # update pass + apply_updates pass
+        results["jax_ls2_std"] = (timed(loop(optax_step(tx), k), (p, tx.init(p), grads), reps, k), std_bpp)
+        del p
+        if mode == "fp32":
+            fp = jnp.zeros((n,), jnp.float32)
+            fs = (jnp.zeros((n,)), jnp.zeros((n,)), jnp.zeros((), jnp.float32))
+            results["xla_flat"] = (timed(loop(xla_flat_step, k), (fp, fs, jnp.ones((n,)) * 1e-3), reps, k), 28)
+        base = results["optax"][0][0]
+        for impl, ((med, p20, p80), b) in results.items():
+            rows.add(op=f"adamw_update[{b}B/param]", shape=shape_s, dtype=mode, **{"pass": "update"}, impl=impl,
+                     ms_median=med, ms_p20=p20, ms_p80=p80, gbytes=b * n / 1e9,
+                     speedup_vs_xla=round(base / med, 3))
+
+
+def bench_train(rows, batch, seq, reps, preset="base"):
+    from flax import nnx
+    import flax_models as fm
+    from flax_models.data import make_batch
+    cfg = fm.get_config("bert", preset)
+    data = {k: jnp.asarray(v) for k, v in make_batch(cfg, 0, 0, batch, seq).items()}
+    for mode, (dt, kw, bpp) in MODES.items():
+        model = fm.build(cfg, impl="plain", dtype=jnp.bfloat16, param_dtype=dt, seed=0)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        n = sum(x.size for x in jax.tree.leaves(params))
+
+        def loss_fn(p):
+            return nnx.merge(graphdef, p, rest).loss(data)[0]
+
+        def grads_only(p, s):
+            loss, g = jax.value_and_grad(loss_fn)(p)
+            return p, s, loss, g
+
+        def with_tx(update):
+            def step(p, s):
+                loss, g = jax.value_and_grad(loss_fn)(p)
+                p, s = update(g, s, p)
+                return p, s, loss
+            return jax.jit(step, donate_argnums=(0, 1))
+
+        tx_optax = optax.adamw(LR, B1, B2, EPS, weight_decay=WD)
+        tx = optim.adamw(LR, B1, B2, EPS, weight_decay=WD, **kw)
+        variants = {"grads_only": (jax.jit(grads_only), tx_optax),
+                    "optax": (with_tx(optax_step(tx_optax)), tx_optax),
+                    "jax_ls2": (with_tx(fused_step(tx)), tx)}
+        res = {}
+        for name, (fn, t) in variants.items():
+            p = jax.tree.map(jnp.copy, params)
+            state = t.init(p)
+            step = (lambda f: (lambda p, s: f(p, s)[:2]))(fn)
+            res[name] = timed(step, (p, state), reps, 1)
+            del p, state
+        floor = bpp * n / (COPY_GBPS * 1e9) * 1e3
+        shape_s = f"bert_{preset}_b{batch}x{seq}_{n}"
+        for name, (med, p20, p80) in res.items():
+            rows.add(op="bert_train_step", shape=shape_s, dtype=mode, **{"pass": "step"}, impl=name,
+                     ms_median=med, ms_p20=p20, ms_p80=p80,
+                     speedup_vs_xla=round(res["optax"][0] / med, 3))
+        for name in ("optax", "jax_ls2"):
+            share = res[name][0] - res["grads_only"][0]
+            rows.add(op=f"bert_update_share[{bpp}B/param]", shape=shape_s, dtype=mode, **{"pass": "share"},
+                     impl=f"{name}:x_floor={share / floor:.3f}", ms_median=share, gbytes=bpp * n / 1e9,
+                     speedup_vs_xla=round((res["optax"][0] - res["grads_only"][0]) / share, 3))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/latest")
+    ap.add_argument("--parts", default="update,train")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--k", type=int, default=10, help="update steps per timed call")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--small", action="store_true", help="a tiny pytree (smoke test on the CPU)")
+    args = ap.parse_args(argv)
+    rows = Rows()
+    parts = args.parts.split(",")
+    if "update" in parts:
+        shapes = bert_base_shapes(vocab=300, hidden=16, layers=2, ffn=64, max_pos=32) if args.small \
+            else bert_base_shapes()
+        bench_update(rows, shapes, args.reps, args.k)
+    if "train" in parts:
+        bench_train(rows, args.batch, args.seq, args.reps, preset="tiny" if args.small else "base")
+    rows.write(os.path.join(args.out, "bench_optim.csv"))
+    print(f"{'op':<30}{'dtype':<6}{'impl':<26}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x optax':>9}")
+    for r in rows.rows:
+        print(f"{r['op']:<30}{r['dtype']:<6}{r['impl']:<26}{r['ms_median']:>9}{r['gbps']:>9}"
+              f"{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>9}")
+
+
+if __name__ == "__main__":
+    main()
