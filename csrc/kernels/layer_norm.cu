@@ -253,15 +253,16 @@ __global__ void __launch_bounds__(kBwdMaxThreads) LayerNormBwdKernel(LayerNormBw
   for (int c = tid; c < 2 * H; c += nthreads) part[c] = fold[c];
 }
 
-// Large hidden: persistent blocks, one row at a time; dgamma/dbeta partials in
-// shared memory (each column owned by one thread).
+// Large hidden: persistent blocks, one row at a time; each block accumulates its
+// dgamma/dbeta partial row directly in its slice of the workspace (each column
+// owned by one thread, so no races).
 template <typename T, bool RES>
 __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
   __shared__ float scratch[64];
-  extern __shared__ float acc[];  // (2, hidden)
   const int64_t H = a.hidden;
   const float inv_h = 1.f / H;
   const T* gamma = static_cast<const T*>(a.gamma);
+  float* acc = a.partials + (int64_t)blockIdx.x * 2 * H;
   for (int64_t c = threadIdx.x; c < 2 * H; c += blockDim.x) acc[c] = 0.f;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t off = row * H;
@@ -289,8 +290,6 @@ __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
       dx[c] = FromFloat<T>(o);
     }
   }
-  float* part = a.partials + (int64_t)blockIdx.x * 2 * H;
-  for (int64_t c = threadIdx.x; c < 2 * H; c += blockDim.x) part[c] = acc[c];
 }
 
 // dgamma[c] = sum_p partials[p][0][c], dbeta[c] = sum_p partials[p][1][c].
@@ -298,8 +297,14 @@ __global__ void SumPartialsKernel(const float* partials, int parts, int64_t hidd
                                   float* dbeta) {
   const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= 2 * hidden) return;
-  float s = 0.f;
-  for (int p = 0; p < parts; ++p) s += partials[(int64_t)p * 2 * hidden + c];
+  // Compensated (Kahan) summation: the partials can number in the hundreds.
+  float s = 0.f, comp = 0.f;
+  for (int p = 0; p < parts; ++p) {
+    const float y = partials[(int64_t)p * 2 * hidden + c] - comp;
+    const float t = s + y;
+    comp = (t - s) - y;
+    s = t;
+  }
   if (c < hidden) dgamma[c] = s; else dbeta[c - hidden] = s;
 }
 
@@ -367,9 +372,8 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   int parts;
   if (tpr == 0) {
     auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     parts = (int)std::min<int64_t>(a.rows, a.max_parts);
-    k<<<parts, kLoopThreads, smem, stream>>>(a);
+    k<<<parts, kLoopThreads, 0, stream>>>(a);
   } else {
     const int ry = kBwdMaxThreads / tpr < 1 ? 1 : kBwdMaxThreads / tpr;
     const int ry_used = (int)std::min<int64_t>(ry, a.rows);
