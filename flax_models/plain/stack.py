@@ -2,10 +2,25 @@
 cross-attention K/V)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from flax_models.plain.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
+
+
+def remat_call(layer, fn, *args):
+    """``fn(layer, *args)`` under ``jax.checkpoint``; the layer's state updates (dropout
+    RNG counters) are written back. Works inside both nnx and plain jax transforms."""
+    graphdef, state = nnx.split(layer)
+
+    def pure(state, *args):
+        m = nnx.merge(graphdef, state)
+        out = fn(m, *args)
+        return out, nnx.state(m)
+    out, state = jax.checkpoint(pure)(state, *args)
+    nnx.update(layer, state)
+    return out
 
 
 def _final_ln(final_layer_norm, hidden_size, layer_kw, rngs):
@@ -30,10 +45,8 @@ class TransformerEncoder(nnx.Module):
     def __call__(self, x, *, padding_mask=None, causal=False, deterministic=None):
         def run(layer, x):
             return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic)
-        if self.remat:
-            run = nnx.remat(run)
         for layer in self.layers:
-            x = run(layer, x)
+            x = remat_call(layer, run, x) if self.remat else run(layer, x)
         return x if self.final_ln is None else self.final_ln(x)
 
 
@@ -52,8 +65,6 @@ class TransformerDecoder(nnx.Module):
         def run(layer, x):
             return layer(x, memory, padding_mask=padding_mask,
                          memory_padding_mask=memory_padding_mask, deterministic=deterministic)
-        if self.remat:
-            run = nnx.remat(run)
         for layer in self.layers:
-            x = run(layer, x)
+            x = remat_call(layer, run, x) if self.remat else run(layer, x)
         return x if self.final_ln is None else self.final_ln(x)

@@ -8,11 +8,26 @@ per-layer form (``batched_cross_kv=False``).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
+
+
+def remat_call(layer, fn, *args):
+    """``fn(layer, *args)`` under ``jax.checkpoint``; the layer's state updates (dropout
+    RNG counters) are written back. Works inside both nnx and plain jax transforms."""
+    graphdef, state = nnx.split(layer)
+
+    def pure(state, *args):
+        m = nnx.merge(graphdef, state)
+        out = fn(m, *args)
+        return out, nnx.state(m)
+    out, state = jax.checkpoint(pure)(state, *args)
+    nnx.update(layer, state)
+    return out
 
 
 def _layer_kwargs(kw):
@@ -48,10 +63,8 @@ class TransformerEncoder(nnx.Module):
                  deterministic: bool | None = None):
         def run(layer, x):
             return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic)
-        if self.remat:
-            run = nnx.remat(run)
         for layer in self.layers:
-            x = run(layer, x)
+            x = remat_call(layer, run, x) if self.remat else run(layer, x)
         return x if self.final_ln is None else self.final_ln(x)
 
 
@@ -98,8 +111,6 @@ class TransformerDecoder(nnx.Module):
             return layer(x, None if kv is not None else memory, cross_kv=kv,
                          padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
                          deterministic=deterministic)
-        if self.remat:
-            run = nnx.remat(run)
         for layer, kv in zip(self.layers, kvs):
-            x = run(layer, x, kv)
+            x = remat_call(layer, run, x, kv) if self.remat else run(layer, x, kv)
         return x if self.final_ln is None else self.final_ln(x)

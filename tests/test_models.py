@@ -1,0 +1,113 @@
+"""Zoo models on jax_ls2 layers against their plain-Flax twins."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_models as fm
+from flax_models import data
+
+
+def _twins(family, dtype=None, **over):
+    cfg = fm.get_config(family, "tiny", **over)
+    ours = fm.build(cfg, impl="ls2", dtype=dtype, seed=0)
+    twin = fm.build(cfg, impl="plain", dtype=dtype, seed=1)
+    p = nnx.state(ours, nnx.Param)
+    assert jax.tree.structure(p) == jax.tree.structure(nnx.state(twin, nnx.Param))
+    nnx.update(twin, p)
+    return cfg, ours, twin
+
+
+def _loss_and_grads(model, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def f(p):
+        return nnx.merge(graphdef, p, rest).loss(batch)[0]
+    return jax.value_and_grad(f)(params)
+
+
+def _close(a, b, rtol, atol):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32),
+                                                        np.asarray(y, np.float32),
+                                                        rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("family", fm.FAMILIES)
+def test_model_matches_twin_fp32(family):
+    cfg, ours, twin = _twins(family)
+    ours.eval(), twin.eval()
+    batch = data.make_batch(cfg, 0, 0, 2, 16)
+    lo, go = _loss_and_grads(ours, batch)
+    lt, gt = _loss_and_grads(twin, batch)
+    np.testing.assert_allclose(lo, lt, rtol=1e-6)
+    _close(go, gt, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt", "vit"])
+def test_model_matches_twin_bf16(family):
+    cfg, ours, twin = _twins(family, dtype=jnp.bfloat16)
+    ours.eval(), twin.eval()
+    batch = data.make_batch(cfg, 0, 0, 2, 16)
+    lo, lt = ours.loss(batch)[0], twin.loss(batch)[0]
+    np.testing.assert_allclose(lo, lt, rtol=1e-2)
+
+
+def test_dropout_modes_and_keys():
+    cfg, ours, _ = _twins("bert", hidden_dropout=0.1, attn_dropout=0.1)
+    batch = data.make_batch(cfg, 0, 0, 2, 16)
+    ours.eval()
+    a, b = ours.loss(batch)[0], ours.loss(batch)[0]
+    assert float(a) == float(b)
+    ours.train()
+    c, d = ours.loss(batch)[0], ours.loss(batch)[0]
+    assert float(c) != float(a) and float(c) != float(d)
+
+
+def test_remat_and_batched_cross_kv_do_not_change_the_model():
+    cfg, ours, _ = _twins("transformer")
+    remat = fm.build(cfg.replace(remat=True), impl="ls2", seed=0)
+    nnx.update(remat, nnx.state(ours, nnx.Param))
+    ours.eval(), remat.eval()
+    batch = data.make_batch(cfg, 0, 0, 2, 12)
+    grad = nnx.value_and_grad(lambda m: m.loss(batch)[0])
+    lo, go = grad(ours)
+    lr, gr = grad(remat)
+    np.testing.assert_allclose(lo, lr, rtol=1e-6)
+    _close(go, gr, rtol=1e-5, atol=1e-7)
+    assert ours.decoder.batched_cross_kv
+
+
+def test_bert_padding_mask_changes_only_padded_view():
+    cfg, ours, twin = _twins("bert")
+    ours.eval(), twin.eval()
+    ids = jnp.asarray(data.make_batch(cfg, 0, 0, 2, 16)["input_ids"])
+    pad = jnp.arange(16)[None] < jnp.array([[16], [9]])
+    lo, lt = ours(ids, padding_mask=pad), twin(ids, padding_mask=pad)
+    _close(lo, lt, rtol=1e-4, atol=1e-5)
+    # tokens after the padding do not influence the kept ones
+    ids2 = ids.at[1, 9:].set(7)
+    _close(ours(ids2, padding_mask=pad)[1, :9], lo[1, :9], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,preset,expected", [
+    ("gpt", "small", 124_439_808),       # Hugging Face gpt2
+    ("gpt", "medium", 354_823_168),      # Hugging Face gpt2-medium
+    ("vit", "b16", 86_567_656),          # google/vit-base-patch16-224
+])
+def test_standard_presets_parameter_counts(family, preset, expected):
+    cfg = fm.get_config(family, preset)
+    lib = fm.layer_library("ls2")
+    cls = type(fm.build(fm.get_config(family, "tiny"), seed=0))
+    abstract = nnx.eval_shape(lambda: cls(cfg, lib, rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert n == expected
+
+
+def test_presets_validate():
+    with pytest.raises(ValueError, match="preset"):
+        fm.get_config("gpt", "huge")
+    with pytest.raises(ValueError, match="unknown fields"):
+        fm.get_config("gpt", "tiny", hidden=3)
+    with pytest.raises(ValueError, match="impl"):
+        fm.layer_library("torch")
