@@ -1,0 +1,278 @@
+"""Fused bias + dropout + residual, and bias + activation + dropout.
+
+Dropout masks come from the counter-based generator of :mod:`jax_ls2._random`
+(bit for bit the same in CUDA and in the reference): element ``g`` of the flat
+row-major ``(..., hidden)`` array (plus the seed's offset word) is kept iff its
+16-bit draw is ``>= round(rate * 65536)``, and kept elements are scaled by
+``keep_scale(rate)``. The backward pass regenerates the mask from the seed; nothing
+per element is stored. ``rate == 0`` or ``deterministic=True`` skips the generator
+and gives exactly the undropped result.
+
+Under ``vmap`` with dropout active, every example draws the mask it would draw on
+its own (``vmap(f)(xs)[i] == f(xs[i])``), as with ``jax.random``; fold an index into
+the key for different masks per example.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ls2 import _random
+from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, result_type
+from jax_ls2.ops import _checks
+
+F32 = jnp.float32
+# Partial dbias rows in the backward workspace (at most one per CUDA block).
+_MAX_PARTS = 264
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+_ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+_SQRT_HALF = np.float32(0.7071067811865476)
+_INV_SQRT_2PI = np.float32(0.3989422804014327)
+_K_TANH = np.float32(0.7978845608028654)
+_C_TANH = np.float32(0.044715)
+
+
+# ---------------------------------------------------------------- reference math
+def _act(v, activation):
+    if activation == "relu":
+        return jnp.maximum(v, np.float32(0))
+    if activation == "gelu":
+        return np.float32(0.5) * v * (np.float32(1) + jax.lax.erf(v * _SQRT_HALF))
+    u = _K_TANH * (v + _C_TANH * v * v * v)
+    return np.float32(0.5) * v * (np.float32(1) + jnp.tanh(u))
+
+
+def _act_grad(v, activation):
+    if activation == "relu":
+        return (v > 0).astype(v.dtype)
+    if activation == "gelu":
+        cdf = np.float32(0.5) * (np.float32(1) + jax.lax.erf(v * _SQRT_HALF))
+        return cdf + v * (_INV_SQRT_2PI * jnp.exp(np.float32(-0.5) * v * v))
+    t = jnp.tanh(_K_TANH * (v + _C_TANH * v * v * v))
+    return (np.float32(0.5) * (np.float32(1) + t)
+            + np.float32(0.5) * v * (np.float32(1) - t * t) * _K_TANH * (np.float32(1) + np.float32(3) * _C_TANH * v * v))
+
+
+def _drop(v, seed, threshold, scale):
+    """float32 ``v`` with the mask applied; threshold 0 returns ``v`` untouched."""
+    if threshold == 0:
+        return v
+    keep = _random.keep_mask(seed, v.shape, threshold)
+    return jnp.where(keep, v * np.float32(scale), np.float32(0))
+
+
+def _lead_axes(x):
+    return tuple(range(x.ndim - 1))
+
+
+def _bdr_fwd_ref(x, bias, residual, seed, *, threshold, scale):
+    v = _drop(x.astype(F32) + bias.astype(F32), seed, threshold, scale)
+    return ((residual.astype(F32) + v).astype(x.dtype),)
+
+
+def _bdr_bwd_ref(dy, seed, *, threshold, scale):
+    dx = _drop(dy.astype(F32), seed, threshold, scale)
+    return dx.astype(dy.dtype), jnp.sum(dx, axis=_lead_axes(dy))
+
+
+def _bad_fwd_ref(x, bias, seed, *, activation, threshold, scale):
+    a = _act(x.astype(F32) + bias.astype(F32), activation)
+    return (_drop(a, seed, threshold, scale).astype(x.dtype),)
+
+
+def _bad_bwd_ref(dy, x, bias, seed, *, activation, threshold, scale):
+    g = dy.astype(F32) * _act_grad(x.astype(F32) + bias.astype(F32), activation)
+    dx = _drop(g, seed, threshold, scale)
+    return dx.astype(x.dtype), jnp.sum(dx, axis=_lead_axes(x))
+
+
+# ---------------------------------------------------------------- CUDA calls
+def _attrs(threshold, scale):
+    return dict(threshold=np.int64(threshold), scale=np.float32(scale))
+
+
+def _bwd_types(x):
+    h = x.shape[-1]
+    return result_type(x), result_type(x, (h,), F32), result_type(x, (_MAX_PARTS, h), F32)
+
+
+def _bdr_fwd_cuda(x, bias, residual, seed, *, threshold, scale):
+    return jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_fwd", (result_type(x),), vmap_method="broadcast_all")(
+        x, bias, residual, seed, **_attrs(threshold, scale))
+
+
+def _bdr_bwd_cuda(dy, seed, *, threshold, scale):
+    dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_bwd", _bwd_types(dy), vmap_method="sequential")(
+        dy, seed, **_attrs(threshold, scale))
+    return dx, db
+
+
+def _bad_fwd_cuda(x, bias, seed, *, activation, threshold, scale):
+    return jax.ffi.ffi_call("jax_ls2_bias_act_dropout_fwd", (result_type(x),), vmap_method="broadcast_all")(
+        x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(threshold, scale))
+
+
+def _bad_bwd_cuda(dy, x, bias, seed, *, activation, threshold, scale):
+    dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_act_dropout_bwd", _bwd_types(x), vmap_method="sequential")(
+        dy, x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(threshold, scale))
+    return dx, db
+
+
+_R1, _P, _S = Role(ROWS, 1), Role(PARAM), Role(SEED)
+_BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, _bdr_fwd_cuda,
+                       operands=(_R1, _P, _R1, _S), results=(_R1,))
+_BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, _bdr_bwd_cuda,
+                       operands=(_R1, _S), results=(_R1, Role(SUM)))
+_BAD_FWD = FusedKernel("jax_ls2_bias_act_dropout_fwd", _bad_fwd_ref, _bad_fwd_cuda,
+                       operands=(_R1, _P, _S), results=(_R1,))
+_BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, _bad_bwd_cuda,
+                       operands=(_R1, _R1, _P, _S), results=(_R1, Role(SUM)))
+
+
+# ---------------------------------------------------------------- per-example vmap
+@functools.lru_cache(maxsize=None)
+def _per_example(kernel: FusedKernel, static_items: tuple):
+    """``kernel`` whose vmap rule keeps each example's own mask: with dropout active
+    the examples run one by one (``lax.map``); without it the batch axis is folded
+    into the rows as usual."""
+    static = dict(static_items)
+    call = lambda *a: kernel(*a, **static)
+
+    @jax.custom_batching.custom_vmap
+    def fn(*args):
+        return call(*args)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if static["threshold"] == 0:
+            outs = jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(*args)
+        else:
+            batched = [a for a, b in zip(args, in_batched) if b]
+
+            def one(xs):
+                it = iter(xs)
+                return call(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+            outs = jax.lax.map(one, batched)
+        return tuple(outs), tuple(True for _ in outs)
+
+    return fn
+
+
+def _run(kernel, *args, **static):
+    return _per_example(kernel, tuple(sorted(static.items())))(*args)
+
+
+# ---------------------------------------------------------------- custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _bias_dropout_residual(x, bias, residual, seed, threshold, scale):
+    return _run(_BDR_FWD, x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale)[0]
+
+
+def _bdr_vjp_fwd(x, bias, residual, seed, threshold, scale):
+    y = _bias_dropout_residual(x, bias, residual, seed, threshold, scale)
+    return y, (seed, jnp.zeros((0,), bias.dtype))
+
+
+def _bdr_vjp_bwd(threshold, scale, res, dy):
+    seed, bias_like = res
+    dx, db = _run(_BDR_BWD, dy, seed, threshold=threshold, scale=scale)
+    return dx, db.astype(bias_like.dtype), dy, None
+
+
+_bias_dropout_residual.defvjp(_bdr_vjp_fwd, _bdr_vjp_bwd, optimize_remat=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _bias_act_dropout(x, bias, seed, activation, threshold, scale):
+    return _run(_BAD_FWD, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
+                scale=scale)[0]
+
+
+def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale):
+    y = _bias_act_dropout(x, bias, seed, activation, threshold, scale)
+    return y, (x, bias, seed)
+
+
+def _bad_vjp_bwd(activation, threshold, scale, res, dy):
+    x, bias, seed = res
+    dx, db = _run(_BAD_BWD, dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
+                  scale=scale)
+    return dx, db.astype(bias.dtype), None
+
+
+_bias_act_dropout.defvjp(_bad_vjp_fwd, _bad_vjp_bwd, optimize_remat=True)
+
+
+# ---------------------------------------------------------------- public API
+def _seed_and_rate(op, rate, key, deterministic):
+    rate = _checks.check_rate(op, rate, key, deterministic)
+    if deterministic or rate == 0.0:
+        return jnp.zeros((3,), jnp.uint32), 0, 1.0
+    threshold = _random.dropout_threshold(rate)
+    if threshold == 0:  # rate below 1/131072 rounds to no dropout
+        return jnp.zeros((3,), jnp.uint32), 0, 1.0
+    return _random.seed_words(key), threshold, _random.keep_scale(rate)
+
+
+def _check_x_bias(op, x, bias):
+    _checks.check_array(op, "x", x, min_ndim=1)
+    _checks.check_array(op, "bias", bias, ndim=1)
+    h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
+    _checks.check_shape(op, "bias", bias, (h,))
+
+
+def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, deterministic: bool = False):
+    """``residual + dropout(x + bias)`` (the end of a Transformer sublayer).
+
+    Args:
+      x: ``(..., hidden)`` float32, float16 or bfloat16.
+      bias: ``(hidden,)`` floating; read in ``x.dtype``, its gradient comes back in
+        its own dtype (summed in float32).
+      residual: ``(..., hidden)`` in ``x.dtype``.
+      rate: static Python float in [0, 1), quantised to 1/65536.
+      key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
+      deterministic: no dropout (exactly ``residual + x + bias``).
+
+    Returns:
+      ``(..., hidden)`` in ``x.dtype``; all arithmetic in float32, rounded once.
+      The backward keeps only the uint32[3] seed: ``dx = mask * scale * dy``,
+      ``dbias = sum over rows of dx``, ``dresidual = dy``.
+    """
+    op = "bias_dropout_residual"
+    _check_x_bias(op, x, bias)
+    _checks.check_array(op, "residual", residual)
+    _checks.check_shape(op, "residual", residual, x.shape)
+    _checks.check_same_dtype(op, "residual", residual, x.dtype)
+    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    return _bias_dropout_residual(x, bias, residual, seed, threshold, scale)
+
+
+def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, deterministic: bool = False):
+    """``dropout(act(x + bias))`` (the first half of a Transformer FFN).
+
+    Args:
+      x: ``(..., hidden)`` float32, float16 or bfloat16.
+      bias: ``(hidden,)`` floating; read in ``x.dtype``, its gradient comes back in
+        its own dtype (summed in float32).
+      activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
+      rate: static Python float in [0, 1), quantised to 1/65536.
+      key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
+      deterministic: no dropout.
+
+    Returns:
+      ``(..., hidden)`` in ``x.dtype``; float32 math in registers. The backward keeps
+      ``x``, ``bias`` and the seed: ``dx = mask * scale * dy * act'(x + bias)``,
+      ``dbias = sum over rows of dx``.
+    """
+    op = "bias_act_dropout"
+    _check_x_bias(op, x, bias)
+    if activation not in _ACT_CODE:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    return _bias_act_dropout(x, bias, seed, activation, threshold, scale)
