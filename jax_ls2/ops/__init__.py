@@ -11,3 +11,6 @@ __all__ += ["bias_dropout_residual", "bias_act_dropout"]
 from jax_ls2.ops.softmax import softmax_dropout
 
 __all__ += ["softmax_dropout"]
+from jax_ls2.ops.embedding import embedding
+
+__all__ += ["embedding"]

@@ -1,0 +1,250 @@
+// Fused softmax cross entropy over the last axis, fp32 statistics.
+//
+// One block per row. Pass 1 streams the row once (16-byte loads after a scalar
+// head that reaches alignment) keeping a per-thread online (max, sum of exp) and
+// the plain sum of logits; the block merges them into the log-sum-exp. The loss
+//   lse - (1 - eps) * x[label] - eps * mean(x) + z * lse^2
+// is written per row. With a gradient output, pass 2 writes
+//   scale * (softmax * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab)
+// in the logits dtype. Pass 2 reads the row from shared memory when it fits
+// (CACHE: one DRAM read per element in all), otherwise again from global memory
+// (usually an L2 hit). Ignored rows get loss 0 and a zero gradient row; a label
+// outside [0, vocab) gives a NaN loss and a NaN gradient row.
+#include "common.cuh"
+#include "kernels/cross_entropy.h"
+
+namespace jax_ls2 {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
+
+// Folds values v into the running (m, d = sum exp(x - m)) and the plain sum sx.
+template <int N>
+__device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float& d, float& sx) {
+  float lm = v[0];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    lm = fmaxf(lm, v[j]);
+    sx += v[j];
+  }
+  if (lm > m) {
+    d *= exp2f((m - lm) * kLog2e);  // m = -inf: d is 0 and stays 0
+    m = lm;
+  }
+  if (m == -INFINITY) return;
+  const float mb = m * kLog2e;
+#pragma unroll
+  for (int j = 0; j < N; ++j) d += exp2f(fmaf(v[j], kLog2e, -mb));
+}
+
+__device__ __forceinline__ void Merge(float& m, float& d, float m2, float d2) {
+  const float nm = fmaxf(m, m2);
+  if (nm == -INFINITY) return;
+  d = d * exp2f((m - nm) * kLog2e) + d2 * exp2f((m2 - nm) * kLog2e);
+  m = nm;
+}
+
+// Block-wide merge of (m, d) and sum of sx; every thread gets the result.
+__device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
+    sx += __shfl_xor_sync(0xffffffffu, sx, o);
+    Merge(m, d, m2, d2);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sh[warp] = m;
+    sh[32 + warp] = d;
+    sh[64 + warp] = sx;
+  }
+  __syncthreads();
+  m = lane < nw ? sh[lane] : -INFINITY;
+  d = lane < nw ? sh[32 + lane] : 0.f;
+  sx = lane < nw ? sh[64 + lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
+    sx += __shfl_xor_sync(0xffffffffu, sx, o);
+    Merge(m, d, m2, d2);
+  }
+}
+
+template <typename T, int VEC, bool CACHE, bool GRAD>
+__global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs a) {
+  extern __shared__ __align__(16) unsigned char cache_raw[];
+  __shared__ float sh[96];
+  using PackT = Pack<T, VEC>;
+  const int64_t row = blockIdx.x;
+  const int64_t V = a.vocab;
+  const int bd = blockDim.x;
+  const T* x = static_cast<const T*>(a.logits) + row * V;
+  T* g = GRAD ? static_cast<T*>(a.grad) + row * V : nullptr;
+  const int64_t label = a.labels[row];
+  if (a.has_ignore && label == a.ignore_index) {
+    if (a.loss != nullptr && threadIdx.x == 0) a.loss[row] = 0.f;
+    if constexpr (GRAD) {
+      for (int64_t c = threadIdx.x; c < V; c += bd) g[c] = FromFloat<T>(0.f);
+    }
+    return;
+  }
+
+  int64_t head = 0;
+  if constexpr (VEC > 1) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
+    head = (int64_t)(((16 - (addr & 15)) & 15) / sizeof(T));
+    if (head > V) head = V;
+  }
+  const int64_t nvec = (V - head) / VEC;
+  const int64_t body_end = head + nvec * VEC;
+  const PackT* xb = reinterpret_cast<const PackT*>(x + head);
+  PackT* cache = reinterpret_cast<PackT*>(cache_raw);
+
+  // ---- pass 1: online max / sum of exp / sum
+  float m = -INFINITY, d = 0.f, sx = 0.f;
+  for (int64_t c = threadIdx.x; c < head; c += bd) {
+    float v[1] = {ToFloat(x[c])};
+    Accumulate(v, m, d, sx);
+  }
+  for (int64_t c = body_end + threadIdx.x; c < V; c += bd) {
+    float v[1] = {ToFloat(x[c])};
+    Accumulate(v, m, d, sx);
+  }
+  int64_t i = threadIdx.x;
+  for (; i + (int64_t)(kUnroll - 1) * bd < nvec; i += (int64_t)kUnroll * bd) {
+    PackT pk[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) pk[u] = xb[i + u * bd];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (CACHE) cache[i + u * bd] = pk[u];
+      float v[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = ToFloat(pk[u].v[j]);
+      Accumulate(v, m, d, sx);
+    }
+  }
+  for (; i < nvec; i += bd) {
+    const PackT pk = xb[i];
+    if constexpr (CACHE) cache[i] = pk;
+    float v[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = ToFloat(pk.v[j]);
+    Accumulate(v, m, d, sx);
+  }
+  BlockReduce(m, d, sx, sh);
+  const float lse = m + logf(d);
+  const bool valid = label >= 0 && label < V;
+  const float xl = valid ? ToFloat(x[valid ? label : 0]) : NAN;
+  const float eps = a.smoothing;
+  if (a.loss != nullptr && threadIdx.x == 0) {
+    a.loss[row] = lse - (1.f - eps) * xl - eps * (sx / (float)V) + a.z_loss * lse * lse;
+  }
+  if constexpr (GRAD) {
+    // ---- pass 2: gradient
+    float s = 1.f;
+    if (a.scale != nullptr) s = a.scale_per_row ? a.scale[row] : a.scale[0];
+    if (!valid) s = NAN;
+    const float lb = lse * kLog2e;
+    const float pz = 1.f + 2.f * a.z_loss * lse;
+    const float off = eps / (float)V, on = 1.f - eps;
+    auto grad_of = [&](float v, int64_t c) {
+      const float p = exp2f(fmaf(v, kLog2e, -lb));
+      return s * (p * pz - (c == label ? on + off : off));
+    };
+    for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
+    for (int64_t c = body_end + threadIdx.x; c < V; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
+    PackT* gb = reinterpret_cast<PackT*>(g + head);
+    for (int64_t k = threadIdx.x; k < nvec; k += bd) {
+      const PackT pk = CACHE ? cache[k] : xb[k];
+      PackT out;
+      const int64_t c0 = head + k * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(grad_of(ToFloat(pk.v[j]), c0 + j));
+      gb[k] = out;
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void ScaleKernel(ScaleArgs a) {
+  const float s = *a.scale;
+  if (s == 1.f && a.in == a.out) return;
+  using PackT = Pack<T, VEC>;
+  const int64_t nvec = a.n / VEC;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const PackT* in = static_cast<const PackT*>(a.in);
+  PackT* out = static_cast<PackT*>(a.out);
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < nvec; k += stride) {
+    PackT pk = in[k];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) pk.v[j] = FromFloat<T>(ToFloat(pk.v[j]) * s);
+    out[k] = pk;
+  }
+  if (blockIdx.x == 0) {
+    for (int64_t c = nvec * VEC + threadIdx.x; c < a.n; c += blockDim.x)
+      static_cast<T*>(a.out)[c] = FromFloat<T>(ToFloat(static_cast<const T*>(a.in)[c]) * s);
+  }
+}
+
+template <typename T, int VEC, bool CACHE, bool GRAD>
+cudaError_t Launch(const CrossEntropyArgs& a, int threads, size_t smem, cudaStream_t stream) {
+  auto k = CrossEntropyKernel<T, VEC, CACHE, GRAD>;
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  k<<<(unsigned)a.rows, threads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.vocab == 0) return cudaSuccess;
+  constexpr int kVec = kPack<T>;
+  const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
+  const bool vec = a.grad == nullptr || (xa & 15) == (ga & 15);
+  int threads = 32;
+  while (threads < kThreads && (int64_t)threads * kVec * 2 < a.vocab) threads <<= 1;
+  if (a.grad == nullptr) {
+    return vec ? Launch<T, kVec, false, false>(a, threads, 0, stream)
+               : Launch<T, 1, false, false>(a, threads, 0, stream);
+  }
+  const size_t bytes = (size_t)a.vocab * sizeof(T);
+  if (bytes <= kCacheBytes) {
+    return vec ? Launch<T, kVec, true, true>(a, threads, bytes, stream)
+               : Launch<T, 1, true, true>(a, threads, bytes, stream);
+  }
+  return vec ? Launch<T, kVec, false, true>(a, threads, 0, stream)
+             : Launch<T, 1, false, true>(a, threads, 0, stream);
+}
+
+template <typename T>
+cudaError_t LaunchScale(const ScaleArgs& a, cudaStream_t stream) {
+  if (a.n == 0) return cudaSuccess;
+  constexpr int kVec = kPack<T>;
+  const bool vec = reinterpret_cast<uintptr_t>(a.in) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+  const int64_t work = vec ? a.n / kVec : a.n;
+  const unsigned blocks = (unsigned)std::max<int64_t>(1, std::min<int64_t>((work + 255) / 256, 132 * 16));
+  if (vec) ScaleKernel<T, kVec><<<blocks, 256, 0, stream>>>(a);
+  else ScaleKernel<T, 1><<<blocks, 256, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+#define JAX_LS2_INSTANTIATE(T)                                                           \
+  template cudaError_t LaunchCrossEntropy<T>(const CrossEntropyArgs&, cudaStream_t); \
+  template cudaError_t LaunchScale<T>(const ScaleArgs&, cudaStream_t);
+JAX_LS2_INSTANTIATE(float)
+JAX_LS2_INSTANTIATE(__half)
+JAX_LS2_INSTANTIATE(__nv_bfloat16)
+#undef JAX_LS2_INSTANTIATE
+
+}  // namespace jax_ls2

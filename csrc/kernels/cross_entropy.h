@@ -1,0 +1,38 @@
+// Fused softmax cross entropy over the last axis: loss, and the gradient with
+// respect to the logits, in one kernel.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_ls2 {
+
+struct CrossEntropyArgs {
+  const void* logits;     // (rows, vocab), T
+  const int32_t* labels;  // (rows,)
+  const float* scale;     // gradient scale: (,) or (rows,) when scale_per_row; nullptr means 1
+  bool scale_per_row;
+  float* loss;            // (rows,) f32, or nullptr
+  void* grad;             // (rows, vocab), T, or nullptr (no gradient)
+  int64_t rows, vocab;
+  float smoothing;        // eps: target = (1 - eps) * onehot + eps / vocab
+  float z_loss;           // + z_loss * lse^2 per counted row
+  int64_t ignore_index;
+  bool has_ignore;
+};
+
+// out = in * scale[0], elementwise; when out == in and scale[0] == 1 nothing is read
+// or written (the common case of an in-place rescale by the unit cotangent).
+struct ScaleArgs {
+  const void* in;     // (n,), T
+  void* out;          // (n,), T (may alias in)
+  const float* scale; // (,)
+  int64_t n;
+};
+
+template <typename T>
+cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream);
+template <typename T>
+cudaError_t LaunchScale(const ScaleArgs& a, cudaStream_t stream);
+
+}  // namespace jax_ls2

@@ -1,0 +1,385 @@
+"""Fused softmax cross entropy, and the output projection fused with it.
+
+Label smoothing convention (the one of ``optax.smooth_labels``): with smoothing
+``eps`` over a vocabulary of ``V`` classes the target distribution is
+``(1 - eps) * onehot(label) + eps / V`` (the true class keeps ``1 - eps + eps / V``),
+so the per-token loss is
+
+    (1 - eps) * (lse - x[label]) + eps * (lse - mean(x)) + z_loss * lse**2,
+
+``lse = logsumexp(x)``; with ``z_loss = 0`` it equals
+``optax.softmax_cross_entropy(x, optax.smooth_labels(one_hot(label, V), eps))``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role, result_type
+from jax_ls2.ops import _checks
+
+F32 = jnp.float32
+_REDUCTIONS = (None, "none", "sum", "mean")
+
+
+# ---------------------------------------------------------------- reference math
+def _stats(logits):
+    x = logits.astype(F32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    return x, lse
+
+
+def _masks(labels, vocab, ignore_index, has_ignore):
+    ignored = (labels == ignore_index) if has_ignore else jnp.zeros(labels.shape, bool)
+    valid = (labels >= 0) & (labels < vocab)
+    return ignored, valid
+
+
+def _loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore):
+    vocab = x.shape[-1]
+    ignored, valid = _masks(labels, vocab, ignore_index, has_ignore)
+    safe = jnp.where(valid, labels, 0).astype(jnp.int32)
+    picked = jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
+    loss = lse - (1.0 - smoothing) * picked - smoothing * jnp.mean(x, axis=-1) + z_loss * lse * lse
+    loss = jnp.where(valid, loss, jnp.nan)
+    return jnp.where(ignored, 0.0, loss)
+
+
+def _grad_of(x, lse, labels, scale, smoothing, z_loss, ignore_index, has_ignore, dtype):
+    vocab = x.shape[-1]
+    ignored, valid = _masks(labels, vocab, ignore_index, has_ignore)
+    p = jnp.exp(x - lse[..., None])
+    onehot = jnp.arange(vocab, dtype=jnp.int32) == labels[..., None].astype(jnp.int32)
+    target = (1.0 - smoothing) * onehot + smoothing / vocab
+    s = jnp.where(valid, scale, jnp.nan)
+    g = s[..., None] * (p * (1.0 + 2.0 * z_loss * lse)[..., None] - target)
+    return jnp.where(ignored[..., None], 0.0, g).astype(dtype)
+
+
+def _fwd_reference(logits, labels, *, smoothing, z_loss, ignore_index, has_ignore):
+    x, lse = _stats(logits)
+    return (_loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore),)
+
+
+def _fwd_grad_reference(logits, labels, scale, *, smoothing, z_loss, ignore_index, has_ignore):
+    x, lse = _stats(logits)
+    loss = _loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore)
+    s = jnp.broadcast_to(scale.astype(F32), labels.shape)
+    return loss, _grad_of(x, lse, labels, s, smoothing, z_loss, ignore_index, has_ignore, logits.dtype)
+
+
+def _bwd_reference(logits, labels, dloss, *, smoothing, z_loss, ignore_index, has_ignore):
+    x, lse = _stats(logits)
+    return (_grad_of(x, lse, labels, dloss.astype(F32), smoothing, z_loss, ignore_index, has_ignore,
+                     logits.dtype),)
+
+
+def _scale_reference(g, scale):
+    return ((g.astype(F32) * scale.astype(F32)).astype(g.dtype),)
+
+
+# ---------------------------------------------------------------- CUDA calls
+def _attrs(smoothing, z_loss, ignore_index, has_ignore):
+    return dict(smoothing=np.float32(smoothing), z_loss=np.float32(z_loss),
+                ignore_index=np.int64(ignore_index), has_ignore=bool(has_ignore))
+
+
+def _fwd_cuda(logits, labels, **static):
+    out = (result_type(logits, labels.shape, F32),)
+    return jax.ffi.ffi_call("jax_ls2_cross_entropy_fwd", out, vmap_method="broadcast_all")(
+        logits, labels, **_attrs(**static))
+
+
+def _fwd_grad_cuda(logits, labels, scale, **static):
+    out = (result_type(logits, labels.shape, F32), result_type(logits))
+    return jax.ffi.ffi_call("jax_ls2_cross_entropy_fwd_grad", out, vmap_method="sequential")(
+        logits, labels, scale, **_attrs(**static))
+
+
+def _bwd_cuda(logits, labels, dloss, **static):
+    out = (result_type(logits),)
+    return jax.ffi.ffi_call("jax_ls2_cross_entropy_bwd", out, vmap_method="broadcast_all")(
+        logits, labels, dloss, **_attrs(**static))
+
+
+def _scale_cuda(g, scale):
+    return jax.ffi.ffi_call("jax_ls2_cross_entropy_scale", (result_type(g),), vmap_method="sequential",
+                            input_output_aliases={0: 0})(g, scale)
+
+
+_X, _Y, _P = Role(ROWS, 1), Role(ROWS, 0), Role(PARAM)
+_FWD = FusedKernel("jax_ls2_cross_entropy_fwd", _fwd_reference, _fwd_cuda,
+                   operands=(_X, _Y), results=(_Y,))
+_FWD_GRAD = FusedKernel("jax_ls2_cross_entropy_fwd_grad", _fwd_grad_reference, _fwd_grad_cuda,
+                        operands=(_X, _Y, _P), results=(_Y, _X))
+_BWD = FusedKernel("jax_ls2_cross_entropy_bwd", _bwd_reference, _bwd_cuda,
+                   operands=(_X, _Y, _Y), results=(_X,))
+_SCALE = FusedKernel("jax_ls2_cross_entropy_scale", _scale_reference, _scale_cuda,
+                     operands=(_X, _P), results=(_X,))
+
+
+# ---------------------------------------------------------------- custom_vjp
+# cfg = (smoothing, z_loss, ignore_index, has_ignore), hashable and static.
+def _static(cfg):
+    s, z, ii, hi = cfg
+    return dict(smoothing=s, z_loss=z, ignore_index=ii, has_ignore=hi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ce_tokens(logits, labels, cfg):
+    return _FWD(logits, labels, **_static(cfg))[0]
+
+
+def _ce_tokens_fwd(logits, labels, cfg):
+    return _FWD(logits, labels, **_static(cfg))[0], (logits, labels)
+
+
+def _ce_tokens_bwd(cfg, res, dloss):
+    logits, labels = res
+    return _BWD(logits, labels, dloss.astype(F32), **_static(cfg))[0], None
+
+
+_ce_tokens.defvjp(_ce_tokens_fwd, _ce_tokens_bwd, optimize_remat=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ce_reduced(logits, labels, scale, cfg):
+    loss = _FWD(logits, labels, **_static(cfg))[0]
+    return jnp.sum(loss) * scale
+
+
+def _ce_reduced_fwd(logits, labels, scale, cfg):
+    # The gradient (already multiplied by `scale`) is formed in the same pass as the loss
+    # and kept instead of the logits.
+    loss, g = _FWD_GRAD(logits, labels, scale, **_static(cfg))
+    return jnp.sum(loss) * scale, (g,)
+
+
+def _ce_reduced_bwd(cfg, res, ct):
+    (g,) = res
+    # In place; a unit cotangent reads and writes nothing on the GPU.
+    return _SCALE(g, jnp.asarray(ct, F32))[0], None, None
+
+
+_ce_reduced.defvjp(_ce_reduced_fwd, _ce_reduced_bwd, optimize_remat=True)
+
+
+# ---------------------------------------------------------------- validation
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction):
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"{op}: label_smoothing must be a Python float in [0, 1), got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or not float(z_loss) >= 0.0:
+        raise ValueError(f"{op}: z_loss must be a Python float >= 0, got {z_loss!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))):
+        raise TypeError(f"{op}: ignore_index must be a Python int or None, got {type(ignore_index).__name__}")
+    if ignore_index is not None and not -2**31 <= int(ignore_index) < 2**31:
+        raise ValueError(f"{op}: ignore_index must fit in int32, got {ignore_index}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of None, 'none', 'sum', 'mean', got {reduction!r}")
+    if not 1 <= vocab < 2**31:
+        raise ValueError(f"{op}: the vocabulary (last axis) must have 1 <= size < 2**31, got {vocab}")
+    if _is_concrete(labels) and labels.size:
+        lab = np.asarray(labels)
+        bad = (lab < 0) | (lab >= vocab)
+        if ignore_index is not None:
+            bad &= lab != int(ignore_index)
+        if bad.any():
+            v = lab[bad].reshape(-1)[0]
+            raise ValueError(f"{op}: labels must be in [0, {vocab}) or equal ignore_index "
+                             f"({ignore_index}), got {v}")
+
+
+def _count(labels, ignore_index):
+    if ignore_index is None:
+        return jnp.asarray(labels.size, jnp.int32)
+    return jnp.sum(labels != ignore_index, dtype=jnp.int32)
+
+
+def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
+                  z_loss: float = 0.0, reduction: str | None = None):
+    """Softmax cross entropy with integer labels, log-softmax and NLL fused.
+
+    Args:
+      logits: ``(..., vocab)`` float32, float16 or bfloat16 (vocab any size >= 1).
+      labels: ``(...)`` integer, in ``[0, vocab)`` or equal to ``ignore_index``.
+        Concrete labels are checked (``ValueError``); under tracing a label outside
+        the range (and not ignored) gives a NaN loss and a NaN gradient row.
+      label_smoothing: ``eps`` in ``[0, 1)``; target ``(1 - eps) * onehot + eps / vocab``
+        (``optax.smooth_labels``'s convention, see the module docstring).
+      ignore_index: tokens with this label contribute nothing to the loss, the count
+        or the gradient.
+      z_loss: adds ``z_loss * logsumexp(logits)**2`` per counted token.
+      reduction: ``None``/``"none"``: per-token loss; ``"sum"``: its sum; ``"mean"``:
+        its sum divided by ``max(count, 1)`` (an all-ignored batch gives 0).
+
+    Returns:
+      ``(loss, count)``: ``loss`` float32 of shape ``labels.shape`` (or a scalar when
+      reduced), 0 for ignored tokens; ``count`` the int32 number of counted tokens.
+
+    Statistics (max, log-sum-exp) and the loss are float32. The gradient is
+    ``(softmax - target) * dloss`` in the logits dtype, never an fp32 copy of the
+    logits. Per token, the forward keeps the logits and the backward re-reads them
+    (one kernel, read logits + write gradient). Reduced, the gradient is formed in
+    the forward kernel itself and kept instead of the logits; the backward multiplies
+    it by the cotangent in place (skipped when the cotangent is 1), so a training step
+    reads the logits once and writes the gradient once.
+    """
+    op = "cross_entropy"
+    _checks.check_array(op, "logits", logits, min_ndim=1)
+    _checks.check_array(op, "labels", labels, dtypes=None)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: labels must have an integer dtype, got {labels.dtype}")
+    _checks.check_shape(op, "labels", labels, logits.shape[:-1])
+    vocab = logits.shape[-1]
+    _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction)
+    cfg = (float(label_smoothing), float(z_loss), int(ignore_index or 0), ignore_index is not None)
+    labels = labels.astype(jnp.int32)
+    count = _count(labels, ignore_index)
+    if reduction in (None, "none"):
+        return _ce_tokens(logits, labels, cfg), count
+    scale = (1.0 / jnp.maximum(count, 1).astype(F32)) if reduction == "mean" else jnp.ones((), F32)
+    return _ce_reduced(logits, labels, scale, cfg), count
+
+
+# ---------------------------------------------------------------- linear + cross entropy
+def _default_chunk(n, vocab):
+    # About 2**27 logits (256 MiB in bf16) per chunk, a multiple of 128 tokens.
+    c = max(1, (1 << 27) // max(vocab, 1))
+    if c >= 128:
+        c = c // 128 * 128
+    return max(1, min(n, c))
+
+
+def _logits(h, weight, bias):
+    z = jax.lax.dot_general(h, weight, (((1,), (1,)), ((), ())))
+    if bias is not None:
+        z = z + bias.astype(z.dtype)
+    return z
+
+
+def _lce_loss_only(h, weight, bias, labels, scale, cfg):
+    def body(total, xs):
+        h_c, y_c = xs
+        loss = _FWD(_logits(h_c, weight, bias), y_c, **_static(cfg))[0]
+        return total + jnp.sum(loss), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), F32), (h, labels))
+    return total * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _lce(h, weight, bias, labels, scale, cfg, dtypes):
+    return _lce_loss_only(h, weight, bias, labels, scale, cfg)
+
+
+def _lce_fwd(h, weight, bias, labels, scale, cfg, dtypes):
+    # h: (chunks, chunk, hidden); labels: (chunks, chunk). Per chunk: logits (chunk, vocab)
+    # by XLA, loss and dlogits (already times `scale`) by the fused kernel, then
+    # dh = dlogits @ W and dW += dlogits^T @ h (fp32) by XLA; the logits of one chunk
+    # are all that exist at a time.
+    vocab, hidden = weight.shape
+
+    def body(carry, xs):
+        total, dw, db = carry
+        h_c, y_c = xs
+        loss, g = _FWD_GRAD(_logits(h_c, weight, bias), y_c, scale, **_static(cfg))
+        dh = jax.lax.dot_general(g, weight, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        dw = dw + jax.lax.dot_general(g, h_c, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+        if db is not None:
+            db = db + jnp.sum(g.astype(F32), axis=0)
+        return (total + jnp.sum(loss), dw, db), dh.astype(h.dtype)
+
+    init = (jnp.zeros((), F32), jnp.zeros((vocab, hidden), F32),
+            None if bias is None else jnp.zeros((vocab,), F32))
+    (total, dw, db), dh = jax.lax.scan(body, init, (h, labels))
+    return total * scale, (dh, dw, db)
+
+
+def _lce_bwd(cfg, dtypes, res, ct):
+    dh, dw, db = res
+    ct = jnp.asarray(ct, F32)
+    dh = (dh.astype(F32) * ct).astype(dh.dtype)
+    dw = (dw * ct).astype(dtypes)
+    db = None if db is None else (db * ct).astype(dtypes)
+    return dh, dw, db, None, None
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd, optimize_remat=True)
+
+
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: float = 0.0,
+                         ignore_index: int | None = None, chunk_size: int | None = None,
+                         z_loss: float = 0.0, reduction: str = "mean"):
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` without the whole logits.
+
+    Args:
+      hidden: ``(..., hidden)`` float32, float16 or bfloat16.
+      weight: ``(vocab, hidden)`` in ``hidden.dtype`` (the output projection / tied
+        embedding table).
+      labels: ``(...)`` integer, as for `cross_entropy`.
+      bias: optional ``(vocab,)`` in ``hidden.dtype``.
+      label_smoothing, ignore_index, z_loss: as for `cross_entropy`.
+      chunk_size: tokens per chunk (default: about 2**27 logits per chunk, a multiple
+        of 128 tokens). Tokens are padded up to a multiple of it (padding is ignored).
+      reduction: ``"mean"`` (over counted tokens; 0 for an all-ignored batch) or ``"sum"``.
+
+    Returns:
+      ``(loss, count)``: float32 scalar loss and the int32 number of counted tokens.
+
+    Per chunk of tokens the logits ``(chunk, vocab)`` are formed by an XLA GEMM
+    (in ``hidden.dtype``, fp32 accumulation), the fused cross-entropy kernel gives the
+    loss and the logits' gradient, and XLA GEMMs give ``dhidden`` for the chunk and add
+    the chunk's ``dweight`` to an fp32 accumulator. So the gradients are computed in
+    the forward pass when the loss is differentiated; the backward pass only scales
+    them by the cotangent. Kept for the backward: ``dhidden`` (tokens, hidden) in
+    ``hidden.dtype`` and ``dweight`` (vocab, hidden) (and ``dbias``) in float32.
+    """
+    op = "linear_cross_entropy"
+    _checks.check_array(op, "hidden", hidden, min_ndim=1)
+    _checks.check_array(op, "weight", weight, ndim=2)
+    _checks.check_array(op, "labels", labels, dtypes=None)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: labels must have an integer dtype, got {labels.dtype}")
+    h = hidden.shape[-1]
+    vocab = weight.shape[0]
+    if weight.shape[1] != h:
+        raise ValueError(f"{op}: weight must have shape (vocab, {h}), got {tuple(weight.shape)}")
+    _checks.check_same_dtype(op, "weight", weight, hidden.dtype)
+    _checks.check_shape(op, "labels", labels, hidden.shape[:-1])
+    if bias is not None:
+        _checks.check_array(op, "bias", bias, ndim=1)
+        _checks.check_shape(op, "bias", bias, (vocab,))
+        _checks.check_same_dtype(op, "bias", bias, hidden.dtype)
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"{op}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction)
+    n = math.prod(labels.shape)
+    if chunk_size is None:
+        chunk_size = _default_chunk(n, vocab)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk = int(min(chunk_size, max(n, 1)))
+    labels = labels.astype(jnp.int32).reshape(n)
+    count = _count(labels, ignore_index)
+    # Padding rows (and the ignored ones) carry the ignore label.
+    ignore = int(ignore_index) if ignore_index is not None else -1
+    cfg = (float(label_smoothing), float(z_loss), ignore, True)
+    chunks = max(1, -(-n // chunk))
+    pad = chunks * chunk - n
+    h2 = hidden.reshape(n, h)
+    if pad:
+        h2 = jnp.pad(h2, ((0, pad), (0, 0)))
+        labels = jnp.pad(labels, (0, pad), constant_values=ignore)
+    h3 = h2.reshape(chunks, chunk, h)
+    y2 = labels.reshape(chunks, chunk)
+    scale = (1.0 / jnp.maximum(count, 1).astype(F32)) if reduction == "mean" else jnp.ones((), F32)
+    loss = _lce(h3, weight, bias, y2, scale, cfg, jnp.dtype(weight.dtype).name)
+    return loss, count
