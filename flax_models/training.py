@@ -33,7 +33,7 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None):
     copied in (so twins start from identical weights)."""
     model = fm.build(cfg, impl=impl, dtype=dtype, seed=seed, train=True)
     if params_from is not None:
-        nnx.update(model, nnx.state(params_from, nnx.Param))
+        nnx.update(model, jax.tree.map(jnp.copy, nnx.state(params_from, nnx.Param)))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     return nnx.split((model, opt))
 
@@ -62,7 +62,7 @@ def save_checkpoint(directory: str, step: int, state) -> None:
     arrays, _, _ = _flat(state)
     with ocp.CheckpointManager(os.path.abspath(directory),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
-        mngr.save(step, args=ocp.args.StandardSave({"state": arrays, "step": np.int64(step)}))
+        mngr.save(step, args=ocp.args.StandardSave({"state": arrays, "step": np.asarray(step, np.int64)}))
         mngr.wait_until_finished()
 
 
@@ -79,7 +79,7 @@ def restore_checkpoint(directory: str, template, step: int | None = None):
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, treedef, is_key = _flat(template)
     abstract = {"state": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays),
-                "step": np.int64(0)}
+                "step": jax.ShapeDtypeStruct((), np.int64)}
     with ocp.CheckpointManager(os.path.abspath(directory)) as mngr:
         step = mngr.latest_step() if step is None else step
         if step is None:

@@ -1,0 +1,70 @@
+"""The training command: end-to-end runs, --compare, bit-for-bit resume, convergence of
+the jax_ls2 models against their plain-Flax twins."""
+import numpy as np
+import pytest
+
+import flax_models as fm
+from flax_models import train as T
+
+
+def _run(argv):
+    args = T.parse_args(argv + ["--quiet"])
+    cfg, b, s = T.config_from(args)
+    return args, cfg, b, s
+
+
+def _losses(argv, impl, params_from=None):
+    args, cfg, b, s = _run(argv)
+    return T.train(args, cfg, b, s, impl=impl, params_from=params_from)["losses"]
+
+
+def test_train_command_and_compare(capsys):
+    first, second = T.main(["--model", "gpt", "--steps", "4", "--compare", "--quiet",
+                            "--batch", "2", "--seq", "16"])
+    out = capsys.readouterr().out
+    assert "speedup (plain / jax_ls2 step time)" in out and "loss difference" in out
+    assert first["impl"] == "ls2" and second["impl"] == "plain"
+    assert second["optimizer"] == "optax.adamw"
+    assert len(first["losses"]) == 4 and np.all(np.isfinite(first["losses"]))
+
+
+def test_resume_is_bit_for_bit(tmp_path):
+    base = ["--model", "bert", "--steps", "6", "--batch", "2", "--seq", "16", "--dropout", "0.1"]
+    straight = _losses(base, "ls2")
+    ckpt = str(tmp_path / "ckpt")
+    _losses(["--model", "bert", "--steps", "3", "--batch", "2", "--seq", "16", "--dropout", "0.1",
+             "--ckpt-dir", ckpt, "--save-every", "3"], "ls2")
+    resumed = _losses(base + ["--ckpt-dir", ckpt, "--resume"], "ls2")
+    assert len(resumed) == 3
+    assert resumed == straight[3:]  # exact
+
+
+def _converge(family, steps, dtype="float32", dropout=0.0):
+    argv = ["--model", family, "--steps", str(steps), "--batch", "4", "--seq", "32",
+            "--dtype", dtype, "--dropout", str(dropout), "--optimizer", "optax"]
+    args, cfg, _, _ = _run(argv)
+    init = fm.build(cfg, impl="ls2", seed=args.seed)
+    ours = np.asarray(_losses(argv, "ls2", params_from=init))
+    twin = np.asarray(_losses(argv, "plain", params_from=init))
+    return ours, twin
+
+
+@pytest.mark.parametrize("family", fm.FAMILIES)
+def test_convergence_fp32_every_step(family):
+    ours, twin = _converge(family, 100)
+    assert ours[-1] < ours[0]  # it learns
+    np.testing.assert_allclose(ours, twin, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", fm.FAMILIES)
+def test_convergence_bf16_every_step(family):
+    ours, twin = _converge(family, 100, dtype="bfloat16")
+    np.testing.assert_allclose(ours, twin, rtol=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", fm.FAMILIES)
+def test_convergence_with_dropout_final_loss(family):
+    ours, twin = _converge(family, 100, dropout=0.1)
+    assert abs(ours[-10:].mean() - twin[-10:].mean()) <= 0.02 * twin[-10:].mean()
