@@ -218,6 +218,23 @@ def _seed_and_rate(op, rate, key, deterministic):
     return _random.seed_words(key), threshold, _random.keep_scale(rate)
 
 
+def _same_varying(*arrays):
+    """Under shard_map, casts the arrays to the union of their varying manual axes, so a
+    replicated bias meeting sharded rows gets its gradient psum-ed (the transpose of
+    the cast) and the custom_vjp's cotangent types match."""
+    def varying(a):
+        t = jax.typeof(a)
+        mat = getattr(t, "manual_axis_type", None)
+        return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+    vmas = [varying(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    if not union:
+        return arrays
+    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+                 for a, v in zip(arrays, vmas))
+
+
 def _check_x_bias(op, x, bias):
     _checks.check_array(op, "x", x, min_ndim=1)
     _checks.check_array(op, "bias", bias, ndim=1)
@@ -250,6 +267,7 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    x, bias, residual = _same_varying(x, bias, residual)
     return _bias_dropout_residual(x, bias, residual, seed, threshold, scale)
 
 
@@ -275,4 +293,5 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     if activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    x, bias = _same_varying(x, bias)
     return _bias_act_dropout(x, bias, seed, activation, threshold, scale)
