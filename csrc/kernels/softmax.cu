@@ -1,0 +1,477 @@
+// Attention softmax + dropout over the last axis (k_len), fp32 max and sum.
+//
+//   logits = scale * scores + bias   (bias broadcast, T or float32)
+//   masked where mask == 0, or causal and k > q + k_len - q_len, set to -inf
+//   p = exp(logits - max) / sum      (fully masked rows: p = 0)
+//   y = p * keep * keep_scale        (keep: the counter-based mask of common.cuh)
+//
+// The forward writes y and per-row stats (max, 1 / sum); it does not write p.
+// The backward re-reads the scores, recomputes p bit for bit from the stats and
+// regenerates the keep mask from the seed:
+//   g = dy * keep * keep_scale,  dx = grad_scale * p * (g - sum(g * p)).
+//
+// Register path (k_len <= 8192): a row group of blockDim.x threads (a power of
+// two, <= 512) holds one row in registers, 16 elements per thread, 16-byte
+// accesses when k_len allows; blockDim.y row groups per block. For k_len <= 512
+// (bf16/fp16) a row is one warp and the reductions are shuffles only.
+// Looped path (larger k_len): one block per row, an online max/sum pass and a
+// write pass that re-reads the row (from L2).
+#include <type_traits>
+
+#include "common.cuh"
+#include "kernels/softmax.h"
+
+namespace jax_ls2 {
+namespace {
+
+constexpr int kElemsPerThread = 16;
+constexpr int kMaxRowThreads = 512;  // register path: k_len <= 512 * 16
+constexpr int kLoopThreads = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x - m). fp32 uses the accurate expf; fp16/bf16 the hardware exp2 (its error
+// is far below their rounding). The backward uses the same function, so p is
+// recomputed exactly.
+template <typename T>
+__device__ __forceinline__ float ExpShift(float x, float m) {
+  if constexpr (std::is_same_v<T, float>) {
+    return expf(x - m);
+  } else {
+    const float t = __fmaf_rn(x, kLog2e, -m * kLog2e);
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
+    return y;
+  }
+}
+
+// Loads VEC elements of T as floats in 16-byte (or smaller) aligned pieces.
+template <typename T, int VEC>
+__device__ __forceinline__ void LoadVec(const T* p, float (&out)[VEC]) {
+  constexpr int C = (VEC * (int)sizeof(T) > 16) ? 16 / (int)sizeof(T) : VEC;
+#pragma unroll
+  for (int c = 0; c < VEC; c += C) {
+    const Pack<T, C> pk = *reinterpret_cast<const Pack<T, C>*>(p + c);
+#pragma unroll
+    for (int i = 0; i < C; ++i) out[c + i] = ToFloat(pk.v[i]);
+  }
+}
+
+// Bit j set iff mask byte j is non-zero.
+template <int VEC>
+__device__ __forceinline__ uint32_t LoadMaskBits(const uint8_t* m) {
+  if constexpr (VEC == 1) {
+    return m[0] != 0;
+  } else if constexpr (VEC == 2) {
+    const uint32_t w = *reinterpret_cast<const uint16_t*>(m);
+    return (w & 0xffu ? 1u : 0u) | (w & 0xff00u ? 2u : 0u);
+  } else {
+    static_assert(VEC % 4 == 0, "mask packs of 4 bytes");
+    uint32_t bits = 0;
+#pragma unroll
+    for (int c = 0; c < VEC; c += 4) {
+      // Each byte becomes 0 or 1, then one multiply gathers the four low bits.
+      const uint32_t w = __vcmpne4(*reinterpret_cast<const uint32_t*>(m + c), 0u) & 0x01010101u;
+      bits |= (((w * 0x01020408u) >> 24) & 0xfu) << c;
+    }
+    return bits;
+  }
+}
+
+// Keep bits for elements g0 .. g0 + VEC - 1 (bit j for g0 + j).
+template <int VEC>
+__device__ __forceinline__ uint32_t KeepBits(uint32_t g0, const DropoutSeed& s, uint32_t thr) {
+  uint32_t bits = 0;
+  if (VEC % 2 == 0 && (g0 & 1u) == 0) {
+    const uint32_t pair0 = g0 >> 1;
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      const uint32_t h = DropoutHash((pair0 + i) & 0x7fffffffu, s.k0, s.k1);
+      bits |= ((h & 0xffffu) >= thr ? 1u : 0u) << (2 * i);
+      bits |= ((h >> 16) >= thr ? 1u : 0u) << (2 * i + 1);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) bits |= (DropoutKeep(g0 + j, s, thr) ? 1u : 0u) << j;
+  }
+  return bits;
+}
+
+__device__ __forceinline__ uint32_t Div(uint32_t n, const FastDiv& f) {
+  return f.d == 1 ? n : __umulhi(n, f.mul) >> f.shr;
+}
+
+struct Row {
+  int64_t off;    // row * cols
+  int64_t limit;  // last attended column; < 0 when none
+  int64_t boff, moff;
+  float bconst;   // the row's bias when it is broadcast along k (else unused), 0 without bias
+};
+
+template <typename BT>
+__device__ __forceinline__ Row RowSetup(const SoftmaxProblem& p, int64_t row) {
+  Row r;
+  r.off = row * p.cols;
+  r.limit = p.cols - 1;
+  if (p.causal) {
+    const uint32_t rr = (uint32_t)row;
+    const int64_t q = (int64_t)(rr - Div(rr, p.q_div) * (uint32_t)p.q_len);
+    r.limit = min(r.limit, q + p.cols - p.q_len);
+  }
+  r.boff = 0;
+  r.moff = 0;
+  uint32_t rem = (uint32_t)row;
+#pragma unroll
+  for (int d = kSoftmaxMaxDims - 1; d >= 0; --d) {
+    if (d < p.bc.nd) {
+      const uint32_t quo = Div(rem, p.bc.size[d]);
+      const uint32_t i = rem - quo * p.bc.size[d].d;
+      rem = quo;
+      r.boff += (int64_t)i * p.bc.bias[d];
+      r.moff += (int64_t)i * p.bc.mask[d];
+    }
+  }
+  r.bconst = 0.f;
+  if (p.bias != nullptr && p.bias_k == 0) r.bconst = ToFloat(static_cast<const BT*>(p.bias)[r.boff]);
+  if (p.mask != nullptr && p.mask_k == 0 && p.mask[r.moff] == 0) r.limit = -1;
+  return r;
+}
+
+// Logits of columns col .. col + VEC - 1 (-inf where masked). col <= r.limit.
+template <typename T, typename BT, int VEC>
+__device__ __forceinline__ void LoadLogits(const SoftmaxProblem& p, const Row& r, int64_t col,
+                                           float (&v)[VEC]) {
+  LoadVec<T, VEC>(static_cast<const T*>(p.x) + r.off + col, v);
+  float b[VEC];
+  if (p.bias != nullptr && p.bias_k != 0) {
+    LoadVec<BT, VEC>(static_cast<const BT*>(p.bias) + r.boff + col, b);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) b[j] = r.bconst;
+  }
+  uint32_t mbits = 0xffffffffu;
+  if (p.mask != nullptr && p.mask_k != 0) mbits = LoadMaskBits<VEC>(p.mask + r.moff + col);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const bool ok = (col + j <= r.limit) && ((mbits >> j) & 1u);
+    v[j] = ok ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
+  }
+}
+
+__device__ __forceinline__ DropoutSeed LoadSeed(const SoftmaxProblem& p) {
+  DropoutSeed s{0u, 0u, 0u};
+  if (p.threshold != 0) s = DropoutSeed{p.seed[0], p.seed[1], p.seed[2]};
+  return s;
+}
+
+// Max (MAX) or sum over the blockDim.x threads of this row group; every thread of
+// the block must call it. scratch: >= 32 * blockDim.y floats.
+template <bool MAX>
+__device__ __forceinline__ float RowReduce(float v, float* scratch) {
+  const int tpr = blockDim.x;
+  auto op = [](float a, float b) { return MAX ? fmaxf(a, b) : a + b; };
+  if (tpr <= 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      if (o < tpr) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = tpr >> 5;
+  float* s = scratch + threadIdx.y * 32;
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = lane < nw ? s[lane] : (MAX ? -INFINITY : 0.f);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ------------------------------------------------------------------ forward
+template <typename T, typename BT, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kMaxRowThreads) SoftmaxFwdKernel(SoftmaxFwdArgs a) {
+  __shared__ float scratch[32 * 32];
+  const SoftmaxProblem& p = a.p;
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;
+  Row r = RowSetup<BT>(p, valid ? row : 0);
+  if (!valid) r.limit = -1;
+
+  float v[ITEMS][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
+    if (col <= r.limit) {
+      LoadLogits<T, BT, VEC>(p, r, col, v[i]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[i][j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[i][j] = -INFINITY;
+    }
+  }
+  mx = RowReduce<true>(mx, scratch);
+  if (mx == -INFINITY) mx = 0.f;  // fully masked: every exp is 0
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      v[i][j] = ExpShift<T>(v[i][j], mx);
+      sum += v[i][j];
+    }
+  }
+  sum = RowReduce<false>(sum, scratch);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (!valid) return;
+  const uint32_t thr = p.threshold;
+  const DropoutSeed seed = LoadSeed(p);
+  const float kept = inv * p.keep_scale;
+  T* y = static_cast<T*>(a.y) + r.off;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
+    if (col < p.cols) {
+      float o[VEC];
+      if (thr != 0) {
+        const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = ((bits >> j) & 1u) ? v[i][j] * kept : 0.f;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = v[i][j] * inv;
+      }
+      StoreFloats<T, VEC>(y + col, o);
+    }
+  }
+  if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
+}
+
+template <typename T, typename BT, int VEC>
+__global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdArgs a) {
+  __shared__ float scratch[32];
+  const SoftmaxProblem& p = a.p;
+  const int64_t row = blockIdx.x;
+  const Row r = RowSetup<BT>(p, row);
+  const int64_t step = (int64_t)blockDim.x * VEC;
+  float m = -INFINITY, s = 0.f;
+  for (int64_t col = (int64_t)threadIdx.x * VEC; col <= r.limit; col += step) {
+    float v[VEC];
+    LoadLogits<T, BT, VEC>(p, r, col, v);
+    float pm = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) pm = fmaxf(pm, v[j]);
+    if (pm == -INFINITY) continue;
+    if (pm > m) {
+      s = m == -INFINITY ? 0.f : s * ExpShift<T>(m, pm);
+      m = pm;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += ExpShift<T>(v[j], m);
+  }
+  float mx = BlockMax(m, scratch);
+  if (mx == -INFINITY) mx = 0.f;
+  const float sum = BlockSum(m == -INFINITY ? 0.f : s * ExpShift<T>(m, mx), scratch);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const uint32_t thr = p.threshold;
+  const DropoutSeed seed = LoadSeed(p);
+  const float kept = inv * p.keep_scale;
+  T* y = static_cast<T*>(a.y) + r.off;
+  for (int64_t col = (int64_t)threadIdx.x * VEC; col < p.cols; col += step) {
+    float v[VEC], o[VEC];
+    if (col <= r.limit) {
+      LoadLogits<T, BT, VEC>(p, r, col, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = -INFINITY;
+    }
+    if (thr != 0) {
+      const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = ((bits >> j) & 1u) ? ExpShift<T>(v[j], mx) * kept : 0.f;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = ExpShift<T>(v[j], mx) * inv;
+    }
+    StoreFloats<T, VEC>(y + col, o);
+  }
+  if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
+}
+
+// ------------------------------------------------------------------ backward
+// p and g of columns col .. col + VEC - 1 (col <= r.limit).
+template <typename T, typename BT, int VEC>
+__device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, int64_t col, float2 st,
+                                       const DropoutSeed& seed, float (&pv)[VEC], float (&g)[VEC]) {
+  const SoftmaxProblem& p = a.p;
+  LoadLogits<T, BT, VEC>(p, r, col, pv);
+  LoadVec<T, VEC>(static_cast<const T*>(a.dy) + r.off + col, g);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) pv[j] = ExpShift<T>(pv[j], st.x) * st.y;
+  if (p.threshold != 0) {
+    const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, p.threshold);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) g[j] = ((bits >> j) & 1u) ? g[j] * p.keep_scale : 0.f;
+  }
+}
+
+template <typename T, typename BT, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArgs a) {
+  __shared__ float scratch[32 * 32];
+  const SoftmaxProblem& p = a.p;
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;
+  Row r = RowSetup<BT>(p, valid ? row : 0);
+  if (!valid) r.limit = -1;
+  const float2 st = valid ? reinterpret_cast<const float2*>(p.stats)[row] : make_float2(0.f, 0.f);
+  const DropoutSeed seed = LoadSeed(p);
+
+  float pv[ITEMS][VEC], g[ITEMS][VEC];
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
+    if (col <= r.limit) {
+      LoadPG<T, BT, VEC>(a, r, col, st, seed, pv[i], g[i]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc += g[i][j] * pv[i][j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) pv[i][j] = g[i][j] = 0.f;
+    }
+  }
+  acc = RowReduce<false>(acc, scratch);
+  if (!valid) return;
+  T* dx = static_cast<T*>(a.dx) + r.off;
+  const float gs = a.grad_scale;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
+    if (col < p.cols) {
+      float o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = gs * pv[i][j] * (g[i][j] - acc);
+      StoreFloats<T, VEC>(dx + col, o);
+    }
+  }
+}
+
+template <typename T, typename BT, int VEC>
+__global__ void __launch_bounds__(kLoopThreads) SoftmaxBwdLoopKernel(SoftmaxBwdArgs a) {
+  __shared__ float scratch[32];
+  const SoftmaxProblem& p = a.p;
+  const int64_t row = blockIdx.x;
+  const Row r = RowSetup<BT>(p, row);
+  const float2 st = reinterpret_cast<const float2*>(p.stats)[row];
+  const DropoutSeed seed = LoadSeed(p);
+  const int64_t step = (int64_t)blockDim.x * VEC;
+  float acc = 0.f;
+  for (int64_t col = (int64_t)threadIdx.x * VEC; col <= r.limit; col += step) {
+    float pv[VEC], g[VEC];
+    LoadPG<T, BT, VEC>(a, r, col, st, seed, pv, g);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc += g[j] * pv[j];
+  }
+  acc = BlockSum(acc, scratch);
+  T* dx = static_cast<T*>(a.dx) + r.off;
+  const float gs = a.grad_scale;
+  for (int64_t col = (int64_t)threadIdx.x * VEC; col < p.cols; col += step) {
+    float pv[VEC], g[VEC], o[VEC];
+    if (col <= r.limit) {
+      LoadPG<T, BT, VEC>(a, r, col, st, seed, pv, g);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) pv[j] = g[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] = gs * pv[j] * (g[j] - acc);
+    StoreFloats<T, VEC>(dx + col, o);
+  }
+}
+
+// ------------------------------------------------------------------ launch
+bool AlignedTo(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// 16-byte packs when k_len and every pointer allow, else 1 element per access.
+template <typename T>
+int PickVec(const SoftmaxProblem& p, const void* a, const void* b) {
+  constexpr int kVec = kPack<T>;
+  if (p.cols % kVec != 0 || !AlignedTo(p.x, 16) || !AlignedTo(a, 16) || !AlignedTo(b, 16)) return 1;
+  if (p.bias != nullptr && p.bias_k != 0 &&
+      !AlignedTo(p.bias, std::min<size_t>(16, kVec * (p.bias_f32 ? 4 : sizeof(T)))))
+    return 1;
+  if (p.mask != nullptr && p.mask_k != 0 && !AlignedTo(p.mask, kVec)) return 1;
+  return kVec;
+}
+
+// Threads per row for the register path (a power of two), 0 when the row is too long.
+int ThreadsPerRow(int64_t cols, int vec) {
+  const int64_t vecs = (cols + vec - 1) / vec;
+  const int items = kElemsPerThread / vec;
+  const int64_t need = (vecs + items - 1) / items;
+  int tpr = 1;
+  while (tpr < need) tpr <<= 1;
+  return tpr <= kMaxRowThreads ? tpr : 0;
+}
+
+template <typename Args, typename RegK, typename LoopK>
+cudaError_t Launch(const Args& a, int tpr, RegK reg, LoopK loop, cudaStream_t stream) {
+  if (tpr == 0) {
+    loop<<<(unsigned)a.p.rows, kLoopThreads, 0, stream>>>(a);
+  } else {
+    const int ry = tpr >= 256 ? 1 : 256 / tpr;
+    const unsigned grid = (unsigned)((a.p.rows + ry - 1) / ry);
+    reg<<<grid, dim3(tpr, ry), 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, typename BT>
+cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+  constexpr int kVec = kPack<T>;
+  const int vec = PickVec<T>(a.p, a.y, nullptr);
+  const int tpr = ThreadsPerRow(a.p.cols, vec);
+  if (vec == kVec)
+    return Launch(a, tpr, SoftmaxFwdKernel<T, BT, kVec, kElemsPerThread / kVec>,
+                  SoftmaxFwdLoopKernel<T, BT, kVec>, stream);
+  return Launch(a, tpr, SoftmaxFwdKernel<T, BT, 1, kElemsPerThread>, SoftmaxFwdLoopKernel<T, BT, 1>, stream);
+}
+
+template <typename T, typename BT>
+cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
+  constexpr int kVec = kPack<T>;
+  const int vec = PickVec<T>(a.p, a.dy, a.dx);
+  const int tpr = ThreadsPerRow(a.p.cols, vec);
+  if (vec == kVec)
+    return Launch(a, tpr, SoftmaxBwdKernel<T, BT, kVec, kElemsPerThread / kVec>,
+                  SoftmaxBwdLoopKernel<T, BT, kVec>, stream);
+  return Launch(a, tpr, SoftmaxBwdKernel<T, BT, 1, kElemsPerThread>, SoftmaxBwdLoopKernel<T, BT, 1>, stream);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+  if (a.p.rows == 0 || a.p.cols == 0) return cudaSuccess;
+  if (a.p.bias_f32 && !std::is_same_v<T, float>) return FwdTyped<T, float>(a, stream);
+  return FwdTyped<T, T>(a, stream);
+}
+
+template <typename T>
+cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdArgs& a, cudaStream_t stream) {
+  if (a.p.rows == 0 || a.p.cols == 0) return cudaSuccess;
+  if (a.p.bias_f32 && !std::is_same_v<T, float>) return BwdTyped<T, float>(a, stream);
+  return BwdTyped<T, T>(a, stream);
+}
+
+#define JAX_LS2_INSTANTIATE(T)                                                  \
+  template cudaError_t LaunchSoftmaxFwd<T>(const SoftmaxFwdArgs&, cudaStream_t); \
+  template cudaError_t LaunchSoftmaxBwd<T>(const SoftmaxBwdArgs&, cudaStream_t);
+JAX_LS2_INSTANTIATE(float)
+JAX_LS2_INSTANTIATE(__half)
+JAX_LS2_INSTANTIATE(__nv_bfloat16)
+#undef JAX_LS2_INSTANTIATE
+
+}  // namespace jax_ls2
