@@ -1,0 +1,193 @@
+"""Train-step benchmark of the zoo: jax_ls2 models against their plain-Flax twins.
+
+    python bench/bench_models.py --out bench/results            # standard shapes (GPU)
+    python bench/bench_models.py --out /tmp/b --quick           # smaller shapes
+    python bench/bench_models.py --out /tmp/b --smoke           # tiny presets, any backend
+
+Both forms run with their best settings: bf16 compute with fp32 params, cuDNN attention
+where it applies (no attention dropout, sequence lengths multiples of 64), jax_ls2 fused
+optimizer for jax_ls2 and optax.adamw for the plain twin. Each (model, impl) runs in a
+fresh subprocess so peak-memory figures do not mix. Timing: warm-up steps, then each
+step timed to ``block_until_ready``; median, p20, p80 of ``--steps`` (>= 20) steps.
+MFU is against 790 TFLOP/s (H200 dense bf16) with analytic FLOPs (6 x matmul params x
+tokens, plus attention: 12 x layers x hidden x keys per query token, half under causal
+masks). Writes ``models_<date>.csv`` (and a PNG when matplotlib is present) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+PEAK_FLOPS = 790e12
+# name: (family, preset, batch, seq, dropout); seq 0 = images
+MODELS = {
+    "gpt2-small": ("gpt", "small", 16, 1024, 0.0),
+    "gpt2-medium": ("gpt", "medium", 8, 1024, 0.0),
+    "bert-base-512": ("bert", "base", 32, 512, 0.1),
+    "bert-base-128": ("bert", "base", 256, 128, 0.1),
+    "transformer-base": ("transformer", "base", 64, 128, 0.1),
+    "vit-b16": ("vit", "b16", 128, 0, 0.0),
+}
+DEFAULT = ["gpt2-small", "bert-base-512", "bert-base-128", "transformer-base", "vit-b16"]
+QUICK = {"gpt2-small": (4, 512), "gpt2-medium": (2, 512), "bert-base-512": (8, 512),
+         "bert-base-128": (64, 128), "transformer-base": (16, 128), "vit-b16": (32, 0)}
+
+
+def train_flops(cfg, batch, seq):
+    """Analytic FLOPs of one train step (forward + backward = 3 x forward)."""
+    h, f, n_layers, v = cfg.hidden_size, cfg.ffn_size, cfg.num_layers, cfg.vocab_size
+    layer = 4 * h * h + 2 * h * f
+    if cfg.family == "vit":
+        tokens = (cfg.image_size // cfg.patch_size) ** 2 + 1
+        per_seq = (n_layers * layer + cfg.patch_size ** 2 * cfg.channels * h) * tokens
+        attn = n_layers * 4 * h * tokens * tokens
+        return 3 * 2 * batch * (per_seq + attn / 2)
+    if cfg.family == "transformer":
+        enc = n_layers * layer * seq + n_layers * 2 * h * seq * seq
+        dec = n_layers * (layer + 4 * h * h) * seq + h * v * seq
+        dec_attn = n_layers * (h * seq * seq + 2 * h * seq * seq)
+        return 3 * 2 * batch * (enc + dec + dec_attn)
+    causal = cfg.family == "gpt"
+    attn = n_layers * 2 * h * seq * seq * (0.5 if causal else 1.0)
+    return 3 * 2 * batch * ((n_layers * layer + h * v) * seq + attn)
+
+
+def run_one(name, impl, steps, warmup, quick, smoke):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import flax_models as fm
+    from flax_models import data, training
+    family, preset, batch, seq, dropout = MODELS[name]
+    if quick:
+        batch, seq = QUICK[name]
+    if smoke:
+        preset, batch, seq = "tiny", 4, (0 if family == "vit" else 64)
+    cfg = fm.get_config(family, preset, hidden_dropout=dropout, attn_dropout=dropout,
+                        activation_dropout=0.0 if family in ("bert", "gpt", "vit") else dropout)
+    seq = seq or cfg.max_len
+    tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl == "ls2")
+    graphdef, state = training.create(cfg, impl=impl, dtype=jnp.bfloat16, seed=0, tx=tx)
+    step = training.make_step(graphdef)
+    batches = [jax.device_put(data.make_batch(cfg, 0, i, batch, seq)) for i in range(4)]
+    for i in range(warmup):
+        state, loss, _ = step(state, batches[i % 4])
+    jax.block_until_ready(loss)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, loss, _ = step(state, batches[i % 4])
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+    ms = 1e3 * np.asarray(times)
+    med = float(np.median(ms))
+    units = data.tokens_in(cfg, batches[0])
+    stats = jax.devices()[0].memory_stats() or {}
+    shape = f"{batch}x{seq}" if family != "vit" else f"{batch}x{cfg.image_size}^2"
+    return {"model": name, "shape": f"{shape} dropout={dropout}", "dtype": "bf16", "impl": impl,
+            "ms_median": med, "ms_p20": float(np.percentile(ms, 20)),
+            "ms_p80": float(np.percentile(ms, 80)), "tokens_per_s": units / med * 1e3,
+            "unit": "images" if family == "vit" else "tokens",
+            "mfu": train_flops(cfg, batch, seq) / (med * 1e-3) / PEAK_FLOPS,
+            "peak_mem_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
+            "optimizer": opt, "loss": float(loss),
+            "gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def chart(rows, path):
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2, 4))
+    for k, impl in enumerate(("plain", "ls2")):
+        vals = [next((r["ms_median"] for r in rows if r["model"] == n and r["impl"] == impl),
+                     0.0) for n in names]
+        ax.bar([i + 0.4 * k for i in range(len(names))], vals, 0.4,
+               label="plain Flax" if impl == "plain" else "jax_ls2")
+    ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=15)
+    ax.set_ylabel("train step, ms (median, lower is better)")
+    ax.set_title(f"{rows[0]['gpu']}, bf16, jax {rows[0]['jax_version']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for the CSV and PNG")
+    p.add_argument("--models", nargs="+", default=DEFAULT, choices=sorted(MODELS))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="smaller batches")
+    p.add_argument("--smoke", action="store_true", help="tiny presets (checks the script)")
+    p.add_argument("--one", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 20 and not args.smoke:
+        p.error("--steps must be >= 20")
+    if args.one:
+        print("RESULT " + json.dumps(run_one(*args.one, args.steps, args.warmup, args.quick,
+                                             args.smoke)), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    rows, commit = [], git_commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for name in args.models:
+        for impl in ("plain", "ls2"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,
+                   impl, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not got:
+                print(f"{name}/{impl} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                continue
+            r = json.loads(got[-1][7:])
+            r.update(git_commit=commit, date=date)
+            rows.append(r)
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
+        r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
+    fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
+              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "gpu", "jax_version",
+              "git_commit", "date"]
+    path = os.path.join(args.out, f"models_{date[:10]}{'_quick' if args.quick else ''}"
+                                  f"{'_smoke' if args.smoke else ''}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    png = chart(rows, path[:-4] + ".png") if rows else None
+    print(f"{'model':<18}{'shape':<26}{'impl':<7}{'ms':>9}{'units/s':>12}{'MFU':>7}"
+          f"{'peak GB':>9}{'speedup':>9}")
+    for r in rows:
+        print(f"{r['model']:<18}{r['shape']:<26}{r['impl']:<7}{r['ms_median']:>9.2f}"
+              f"{r['tokens_per_s']:>12,.0f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>9.2f}"
+              f"{r['speedup']:>8.2f}x")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    if len(rows) < 2 * len(args.models):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
