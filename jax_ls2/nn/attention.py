@@ -70,7 +70,7 @@ def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=No
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                             implementation=impl)
     scores = jnp.einsum("btnh,bsnh->bnts", q, k)
-    softmax = ops.softmax_dropout if impl == "fused" else ops._softmax_dropout
+    softmax = ops.softmax_dropout if impl == "fused" else ops.xla_softmax_dropout
     probs = softmax(scores, scale=1.0 / math.sqrt(h), mask=mask, causal=causal, rate=rate,
                     key=key, deterministic=not active)
     return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
