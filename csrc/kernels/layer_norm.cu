@@ -14,7 +14,9 @@
 namespace jax_ls2 {
 namespace {
 
-constexpr int kElemsPerThread = 16;
+constexpr int kFwdElems = 32;   // elements per thread held in registers (forward, 16-byte accesses)
+constexpr int kFwdScalarElems = 16;  // forward with scalar accesses (odd hidden sizes)
+constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
 constexpr int kLoopThreads = 512;
 
@@ -52,7 +54,7 @@ __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(
 // ------------------------------------------------------------------ forward
 template <typename T, int VEC, bool RES>
 __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
-  constexpr int ITEMS = kElemsPerThread / VEC;
+  constexpr int ITEMS = VEC == 1 ? kFwdScalarElems : kFwdElems / VEC;
   __shared__ float scratch[64 * 32];
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < a.rows;
@@ -159,7 +161,7 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 // ------------------------------------------------------------------ backward
 template <typename T, int VEC, bool RES>
 __global__ void __launch_bounds__(kBwdMaxThreads) LayerNormBwdKernel(LayerNormBwdArgs a) {
-  constexpr int ITEMS = kElemsPerThread / VEC;
+  constexpr int ITEMS = kBwdElems / VEC > 0 ? kBwdElems / VEC : 1;
   __shared__ float scratch[64 * 16];
   extern __shared__ float fold[];  // (2, hidden)
   const int H = (int)a.hidden;
@@ -309,10 +311,11 @@ __global__ void SumPartialsKernel(const float* partials, int parts, int64_t hidd
 }
 
 // Threads per row for the register path: a power of two covering the row with
-// kElemsPerThread elements per thread; 0 when the row does not fit in max_threads.
-int ThreadsPerRow(int64_t hidden, int vec, int max_threads) {
+// `elems` elements per thread; 0 when the row does not fit in max_threads.
+int ThreadsPerRow(int64_t hidden, int vec, int elems, int max_threads) {
   const int64_t vecs = (hidden + vec - 1) / vec;
-  const int64_t need = (vecs + kElemsPerThread / vec - 1) / (kElemsPerThread / vec);
+  const int items = elems / vec > 0 ? elems / vec : 1;
+  const int64_t need = (vecs + items - 1) / items;
   int tpr = 1;
   while (tpr < need) tpr <<= 1;
   return tpr <= max_threads ? tpr : 0;
@@ -336,14 +339,14 @@ template <typename T>
 cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.residual, a.gamma, a.beta, a.y, a.sum});
-  const int tpr = ThreadsPerRow(a.hidden, vec, 1024);
+  const int tpr = ThreadsPerRow(a.hidden, vec, vec == 1 ? kFwdScalarElems : kFwdElems, 1024);
   const bool res = a.residual != nullptr;
   if (tpr == 0) {
     auto k = res ? LayerNormFwdLoopKernel<T, true> : LayerNormFwdLoopKernel<T, false>;
     k<<<(unsigned)a.rows, kLoopThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
-  const int ry = tpr >= 256 ? 1 : 256 / tpr;
+  const int ry = tpr >= 128 ? 1 : 128 / tpr;
   dim3 block(tpr, ry);
   const unsigned grid = (unsigned)((a.rows + ry - 1) / ry);
   constexpr int kVec = kPack<T>;
@@ -367,7 +370,7 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   }
   const bool res = a.dsum != nullptr;
   const int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
-  const int tpr = ThreadsPerRow(a.hidden, vec, kBwdMaxThreads);
+  const int tpr = ThreadsPerRow(a.hidden, vec, kBwdElems, kBwdMaxThreads);
   const size_t smem = 2 * a.hidden * sizeof(float);
   int parts;
   if (tpr == 0) {
