@@ -40,7 +40,7 @@ for step in $STEPS; do
         name=$(basename "$b" .py)
         [ "$name" = bench_models ] && continue
         t0=$(date +%s)
-        if timeout 300 $PY -m bench.$name --out "$OUT" >"$OUT/$name.log" 2>&1; then
+        if timeout ${BENCH_TIMEOUT:-300} $PY -m bench.$name --out "$OUT" >"$OUT/$name.log" 2>&1; then
           summary+=("$name: ok ($(( $(date +%s) - t0 )) s)")
         else
           summary+=("$name: FAILED ($(( $(date +%s) - t0 )) s), see $name.log"); tail -5 "$OUT/$name.log"
