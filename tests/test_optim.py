@@ -273,7 +273,7 @@ def _custom_calls(tx, params, fused=True):
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_lowering_one_custom_call_whatever_the_leaves(fused):
     small = {f"w{i}": jnp.zeros((3, i + 1)) for i in range(5)}
-    large = {f"w{i}": jnp.zeros((i % 7 + 1, 5)) for i in range(600)}
+    large = {f"w{i}": jnp.zeros((i % 7 + 1, 5)) for i in range(260)}
     tx = optim.adamw(1e-3, max_grad_norm=1.0, loss_scale="dynamic")
     n_small, _ = _custom_calls(tx, small, fused)
     n_large, text = _custom_calls(tx, large, fused)
@@ -380,12 +380,12 @@ def test_gpu_kernel_matches_reference(monkeypatch, name, fused):
 
 @pytest.mark.gpu
 def test_gpu_many_leaves_several_launches(monkeypatch):
-    """600 leaves: 3 kernel launches per pass; every leaf updated like the reference."""
+    """260 leaves: 2 kernel launches per pass; every leaf updated like the reference."""
     rng = np.random.default_rng(2)
-    params = {f"w{i:03d}": jnp.asarray(rng.normal(size=(i % 13 + 1, i % 5 + 1)), jnp.float32) for i in range(600)}
+    params = {f"w{i:03d}": jnp.asarray(rng.normal(size=(i % 13 + 1, i % 5 + 1)), jnp.float32) for i in range(260)}
     make_tx = lambda: optim.adamw(1e-2, max_grad_norm=1.0, skip_nonfinite=True)
-    ours, _ = _run_impl(monkeypatch, "cuda", make_tx, params, 3, True)
-    ref, _ = _run_impl(monkeypatch, "reference", make_tx, params, 3, True)
+    ours, _ = _run_impl(monkeypatch, "cuda", make_tx, params, 2, True)
+    ref, _ = _run_impl(monkeypatch, "reference", make_tx, params, 2, True)
     for a, b in zip(ours, ref):
         _assert_bits_close(a, b, rtol=2e-6)
     moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours[-1]), jax.tree.leaves(params))]
