@@ -273,7 +273,7 @@ def _custom_calls(tx, params, fused=True):
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_lowering_one_custom_call_whatever_the_leaves(fused):
     small = {f"w{i}": jnp.zeros((3, i + 1)) for i in range(5)}
-    large = {f"w{i}": jnp.zeros((i % 7 + 1, 5)) for i in range(260)}
+    large = {f"w{i}": jnp.zeros((i % 7 + 1, 5)) for i in range(600)}
     tx = optim.adamw(1e-3, max_grad_norm=1.0, loss_scale="dynamic")
     n_small, _ = _custom_calls(tx, small, fused)
     n_large, text = _custom_calls(tx, large, fused)
