@@ -39,8 +39,8 @@ def test_resume_is_bit_for_bit(tmp_path):
     assert resumed == straight[3:]  # exact
 
 
-def _converge(family, steps, dtype="float32", dropout=0.0):
-    argv = ["--model", family, "--steps", str(steps), "--batch", "4", "--seq", "32",
+def _converge(family, steps, dtype="float32", dropout=0.0, batch=4):
+    argv = ["--model", family, "--steps", str(steps), "--batch", str(batch), "--seq", "32",
             "--dtype", dtype, "--dropout", str(dropout), "--optimizer", "optax"]
     args, cfg, _, _ = _run(argv)
     init = fm.build(cfg, impl="ls2", seed=args.seed)
@@ -66,5 +66,6 @@ def test_convergence_bf16_every_step(family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", fm.FAMILIES)
 def test_convergence_with_dropout_final_loss(family):
-    ours, twin = _converge(family, 100, dropout=0.1)
-    assert abs(ours[-10:].mean() - twin[-10:].mean()) <= 0.02 * twin[-10:].mean()
+    # different masks: compare the mean of the last 20 steps, batch 16 to tame the noise
+    ours, twin = _converge(family, 100, dropout=0.1, batch=16)
+    assert abs(ours[-20:].mean() - twin[-20:].mean()) <= 0.02 * twin[-20:].mean()
