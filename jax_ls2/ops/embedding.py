@@ -67,7 +67,7 @@ def _row_grads(dout, ids, seed, vocab, padding_idx, has_padding, threshold, keep
     return g.reshape(-1, hidden), idc.reshape(-1)
 
 
-def _bwd_reference(dout, ids, positions, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
+def _bwd_reference(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
                    keep_scale, vocab, max_pos, grad_mode):
     hidden = dout.shape[-1]
     g, idc = _row_grads(dout, ids, seed, vocab, padding_idx, has_padding, threshold, keep_scale)
@@ -93,7 +93,7 @@ def _order(keys, n):
     return jnp.argsort(flat, stable=True).astype(jnp.int32).reshape(keys.shape)
 
 
-def _bwd_cuda(dout, ids, positions, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
+def _bwd_cuda(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
               keep_scale, vocab, max_pos, grad_mode):
     hidden = dout.shape[-1]
     det = grad_mode == "sorted"
@@ -106,11 +106,13 @@ def _bwd_cuda(dout, ids, positions, seed, *, scale, pos_mode, padding_idx, has_p
         keep_scale=np.float32(keep_scale), deterministic=det)
 
 
+# ids come first in both kernels: the partitioner advances the seed's offset word by
+# the rows of the first ROWS operand before the shard, and the kernels count it in rows.
 _I, _X, _P, _S = Role(ROWS, 0), Role(ROWS, 1), Role(PARAM), Role(SEED)
 _FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, _fwd_cuda,
                    operands=(_I, _I, _P, _P, _P, _S), results=(_X,))
 _BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, _bwd_cuda,
-                   operands=(_X, _I, _I, _S), results=(Role(SUM), Role(SUM)))
+                   operands=(_I, _I, _X, _S), results=(Role(SUM), Role(SUM)))
 
 
 # ---------------------------------------------------------------- custom_vjp
@@ -137,7 +139,7 @@ def _embedding_bwd(cfg, res, dout):
     grad_mode, vocab, max_pos, tdt, pdt = cfg[7:]
     st = _fwd_static(cfg)
     st.pop("out_dtype")
-    dtable, dpos = _BWD(dout, ids, positions, seed, vocab=vocab, max_pos=max_pos, grad_mode=grad_mode, **st)
+    dtable, dpos = _BWD(ids, positions, dout, seed, vocab=vocab, max_pos=max_pos, grad_mode=grad_mode, **st)
     return None, None, dtable.astype(tdt), dpos.astype(pdt), None, None
 
 
