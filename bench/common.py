@@ -23,7 +23,8 @@ COPY_GBPS = 4137.0  # measured HBM copy bandwidth (read + write) of the H200 tes
 MATMUL_TFLOPS = 790.0
 
 FIELDS = ["op", "shape", "dtype", "pass", "impl", "ms_median", "ms_p20", "ms_p80", "gbytes", "gbps",
-          "pct_copy_bw", "speedup_vs_xla", "peak_mem_bytes", "gpu", "jax_version", "commit", "date"]
+          "pct_copy_bw", "speedup_vs_xla", "device_ms", "device_pct_copy_bw", "device_speedup_vs_xla",
+          "peak_mem_bytes", "gpu", "jax_version", "commit", "date"]
 
 
 def git_commit() -> str:
@@ -39,8 +40,37 @@ def gpu_name() -> str:
     return getattr(d, "device_kind", d.platform)
 
 
+def device_time(prog, arg_sets, runs: int = 5):
+    """Device time in ms of one application: the sum of the durations of every
+    kernel, copy and memset the program launched (recorded with CUPTI through
+    torch.profiler), divided by the applications. None where torch or CUPTI is
+    unavailable. Unlike the host-timed figure it excludes gaps between launches."""
+    if os.environ.get("JAX_LS2_DEVICE_TIME", "1") != "1":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:
+        return None
+    jax.block_until_ready(prog(arg_sets))
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                jax.block_until_ready(prog(arg_sets))
+        total_us = sum(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+                       for e in prof.key_averages())
+    except Exception:
+        return None
+    if not total_us:
+        return None
+    return total_us / 1e3 / (runs * len(arg_sets))
+
+
+LAST_DEVICE_MS = {}
+
+
 def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int = 3, pipeline: int = 4):
-    """Median, p20, p80 in ms of one fn(*args).
+    """Median, p20, p80 in ms of one fn(*args) (and, in LAST_DEVICE_MS["ms"], the
+    CUPTI device time of one application, when available).
 
     One program applies fn to every input set in arg_sets. Each sample enqueues
     `pipeline` runs of it back to back and waits for the last, so the host's
@@ -58,6 +88,7 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int
         times.append((time.perf_counter() - t0) * 1e3 / (pipeline * len(arg_sets)))
         del outs
     t = np.asarray(times)
+    LAST_DEVICE_MS["ms"] = device_time(prog, arg_sets)
     return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
 
 
@@ -82,6 +113,9 @@ class Rows:
         if "ms_median" in kw and "gbytes" in kw and kw["gbytes"]:
             row["gbps"] = round(kw["gbytes"] / (kw["ms_median"] * 1e-3), 1)
             row["pct_copy_bw"] = round(100 * row["gbps"] / COPY_GBPS, 1)
+        if kw.get("device_ms") and kw.get("gbytes"):
+            row["device_pct_copy_bw"] = round(100 * kw["gbytes"] / (kw["device_ms"] * 1e-3) / COPY_GBPS, 1)
+            row["device_ms"] = round(kw["device_ms"], 4)
         for k in ("ms_median", "ms_p20", "ms_p80"):
             if isinstance(row[k], float):
                 row[k] = round(row[k], 4)
@@ -96,10 +130,12 @@ class Rows:
             w.writerows(self.rows)
 
     def print_table(self):
-        print(f"{'op':<24}{'shape':<20}{'dtype':<9}{'pass':<9}{'impl':<9}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x xla':>8}")
+        print(f"{'op':<24}{'shape':<20}{'dtype':<9}{'pass':<9}{'impl':<9}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x xla':>8}"
+              f"{'dev ms':>9}{'dev %bw':>8}{'dev x':>7}")
         for r in self.rows:
             print(f"{r['op']:<24}{r['shape']:<20}{r['dtype']:<9}{r['pass']:<9}{r['impl']:<9}"
-                  f"{r['ms_median']:>9}{r['gbps']:>9}{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>8}")
+                  f"{r['ms_median']:>9}{r['gbps']:>9}{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>8}"
+                  f"{str(r['device_ms']):>9}{str(r['device_pct_copy_bw']):>8}{str(r['device_speedup_vs_xla']):>7}")
 
 
 def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: Callable, xla: Callable,
@@ -107,10 +143,15 @@ def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: 
     """Times ours and xla on the same inputs (or on `xla_sets` when the XLA side needs
     its own, e.g. its own saved residuals) and records both rows with the speedup."""
     mx = time_fn(xla, arg_sets if xla_sets is None else xla_sets, reps)
+    dx = LAST_DEVICE_MS.get("ms")
     mo = time_fn(ours, arg_sets, reps)
+    do = LAST_DEVICE_MS.get("ms")
     shape_s = "x".join(str(s) for s in shape)
     dt = np.dtype(dtype).name
+    dev_speedup = round(dx / do, 3) if dx and do else ""
     rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="xla", ms_median=mx[0], ms_p20=mx[1],
-             ms_p80=mx[2], gbytes=gbytes, speedup_vs_xla=1.0)
+             ms_p80=mx[2], gbytes=gbytes, speedup_vs_xla=1.0, device_ms=dx or "",
+             device_speedup_vs_xla=1.0 if dx else "")
     return rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="jax_ls2", ms_median=mo[0],
-                    ms_p20=mo[1], ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3))
+                    ms_p20=mo[1], ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3),
+                    device_ms=do or "", device_speedup_vs_xla=dev_speedup)

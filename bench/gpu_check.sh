@@ -63,6 +63,7 @@ for path in sorted(glob.glob(sys.argv[1] + "/*.csv")):
     rows = list(csv.DictReader(open(path)))
     ours = [r for r in rows if r.get("impl") == "jax_ls2"]
     for r in ours:
-        print(f"{r.get('op',''):<22}{r.get('shape',''):<18}{r.get('dtype',''):<9}{r.get('pass',''):<8}"
-              f"{r.get('ms_median',''):>9} ms {r.get('pct_copy_bw',''):>6}%bw  x{r.get('speedup_vs_xla', r.get('speedup_vs_ref',''))}")
+        print(f"{r.get('op','')[:22]:<22}{r.get('shape','')[:18]:<18}{r.get('dtype','')[:8]:<9}{r.get('pass','')[:7]:<8}"
+              f"{r.get('ms_median',''):>8}ms {r.get('pct_copy_bw',''):>5}% x{r.get('speedup_vs_xla', ''):<6}"
+              f" dev {r.get('device_ms',''):>8}ms {r.get('device_pct_copy_bw',''):>5}% x{r.get('device_speedup_vs_xla','')}")
 PYEOF
