@@ -27,8 +27,8 @@ tensor they are tied to; any other unused or missing key is an error.
 
 API: `import_hf` (file -> (Config, model)), `export_hf` (model or params -> files),
 `read_hf` / `hf_to_params` / `params_to_hf` / `config_from_hf` / `config_to_hf` for the
-pieces. ``params`` everywhere is the nested dict of ``nnx.state(model, nnx.Param)
-.to_pure_dict()`` (layer indices as int keys).
+pieces. ``params`` everywhere is the nested dict of ``nnx.to_pure_dict(nnx.state(model,
+nnx.Param))`` (layer indices as int keys).
 """
 from __future__ import annotations
 
@@ -324,7 +324,7 @@ def _expected_shapes(cfg: Config) -> dict:
     import flax_models
 
     model = nnx.eval_shape(lambda: flax_models.build(cfg, impl="plain", train=False))
-    flat = nnx.state(model, nnx.Param).flat_state()
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     return {tuple(path): tuple(v.get_value().shape) for path, v in flat}
 
 
@@ -439,8 +439,8 @@ def import_hf(family: str, path_or_dir: str, *, impl: str = "ls2", dtype=None,
         param_dtype = kinds.pop() if len(kinds) == 1 else jnp.float32
     model = flax_models.build(cfg, impl=impl, dtype=dtype, param_dtype=param_dtype, train=train)
     state = nnx.state(model, nnx.Param)
-    state.replace_by_pure_dict(jax.tree_util.tree_map(lambda a: jnp.asarray(a, param_dtype),
-                                                      params))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(lambda a: jnp.asarray(a, param_dtype),
+                                                           params))
     nnx.update(model, state)
     return cfg, model
 
@@ -457,7 +457,7 @@ def export_hf(model_or_params, cfg: Config, out_dir: str) -> str:
 
     family = _family("export_hf", cfg.family)
     if isinstance(model_or_params, nnx.Module):
-        params = nnx.state(model_or_params, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
     elif isinstance(model_or_params, dict):
         params = model_or_params
     else:
