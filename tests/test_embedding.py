@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_ls2
 from jax_ls2 import _random
 from jax_ls2.ops import embedding
+from jax_ls2.ops.embedding import sinusoid_inv_freq
 
 F32 = jnp.float32
 
@@ -218,12 +219,37 @@ def test_lowering_for_cuda_shows_custom_calls():
 
 
 # ---------------------------------------------------------------- GPU
+def xla_embedding(ids, table, *, scale=1.0, pos_table=None, sinusoidal=False, padding_idx=None, rate=0.0,
+                  key=None):
+    """What one writes in plain jnp, computed in the table's dtype (the XLA side of the
+    2x rule), with the same dropout mask as the op."""
+    dt = table.dtype
+    hidden = table.shape[1]
+    x = jnp.take(table, ids, axis=0) * jnp.asarray(scale, dt)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
+    if pos_table is not None:
+        x = x + jnp.take(pos_table, pos, axis=0)
+    elif sinusoidal:
+        half = hidden // 2
+        ang = pos.astype(F32)[..., None] * sinusoid_inv_freq(hidden)[:half]
+        sin = jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+        if hidden % 2:
+            sin = jnp.pad(sin, [(0, 0)] * (sin.ndim - 1) + [(0, 1)])
+        x = x + sin.astype(dt)
+    if padding_idx is not None:
+        x = jnp.where((ids == padding_idx)[..., None], jnp.zeros((), dt), x)
+    if rate > 0:
+        threshold = _random.dropout_threshold(rate)
+        keep = _random.keep_mask(_random.seed_words(key), x.shape, threshold)
+        x = jnp.where(keep, x * jnp.asarray(_random.keep_scale(rate), dt), jnp.zeros((), dt))
+    return x
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("hidden", [768, 123, 4097])
 @pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
 def test_gpu_two_x_rule(dtype, hidden, pos):
-    from jax_ls2.nn._ops_compat import _embedding as xla_embedding
     ids, table, pt, ct = _setup(9, (4, 257), 50257, hidden, max_pos=300, dtype=dtype)
     key = jax.random.key(5)
     kw = dict(pos_table=pt) if pos == "learned" else dict(sinusoidal=True)
