@@ -28,11 +28,13 @@ FIELDS = ["op", "shape", "dtype", "pass", "impl", "ms_median", "ms_p20", "ms_p80
 
 
 def git_commit() -> str:
+    if os.environ.get("JAX_LS2_COMMIT"):
+        return os.environ["JAX_LS2_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
                                        stderr=subprocess.DEVNULL).decode().strip()
     except Exception:
-        return os.environ.get("JAX_LS2_COMMIT", "unknown")
+        return "unknown"
 
 
 def gpu_name() -> str:
