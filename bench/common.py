@@ -97,7 +97,7 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int
 def copies_for(nbytes: int, target_bytes: int = 1 << 30) -> int:
     """How many distinct input copies one timed program should process: enough
     that the program moves about a gigabyte (launch overhead amortised, L2 missed)."""
-    return int(max(4, min(32, np.ceil(target_bytes / max(nbytes, 1)))))
+    return int(max(4, min(8, np.ceil(target_bytes / max(nbytes, 1)))))
 
 
 class Rows:
