@@ -14,8 +14,11 @@
 namespace jax_ls2 {
 namespace {
 
-constexpr int kFwdElems = 32;   // elements per thread held in registers (forward, 16-byte accesses)
-constexpr int kFwdScalarElems = 16;  // forward with scalar accesses (odd hidden sizes)
+// Forward elements per thread held in registers: 32 when that lets one warp own a
+// row (reductions by shuffles only, no barriers), else 16 (more threads per row, fewer
+// registers, higher occupancy); 16 with scalar accesses (odd hidden sizes).
+constexpr int kFwdWideElems = 32;
+constexpr int kFwdElems = 16;
 constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
 constexpr int kLoopThreads = 512;
@@ -52,9 +55,9 @@ template <typename T>
 __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
 
 // ------------------------------------------------------------------ forward
-template <typename T, int VEC, bool RES>
+template <typename T, int VEC, int ELEMS, bool RES>
 __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
-  constexpr int ITEMS = VEC == 1 ? kFwdScalarElems : kFwdElems / VEC;
+  constexpr int ITEMS = ELEMS / VEC;
   __shared__ float scratch[64 * 32];
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < a.rows;
@@ -351,7 +354,9 @@ template <typename T>
 cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.residual, a.gamma, a.beta, a.y, a.sum});
-  const int tpr = ThreadsPerRow(a.hidden, vec, vec == 1 ? kFwdScalarElems : kFwdElems, 1024);
+  const bool wide = vec > 1 && (ThreadsPerRow(a.hidden, vec, kFwdWideElems, 32) > 0 ||
+                                 ThreadsPerRow(a.hidden, vec, kFwdElems, 1024) == 0);
+  const int tpr = ThreadsPerRow(a.hidden, vec, wide ? kFwdWideElems : kFwdElems, 1024);
   const bool res = a.residual != nullptr;
   if (tpr == 0) {
     auto k = res ? LayerNormFwdLoopKernel<T, true> : LayerNormFwdLoopKernel<T, false>;
@@ -362,11 +367,14 @@ cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
   dim3 block(tpr, ry);
   const unsigned grid = (unsigned)((a.rows + ry - 1) / ry);
   constexpr int kVec = kPack<T>;
-  if (vec == kVec) {
-    auto k = res ? LayerNormFwdKernel<T, kVec, true> : LayerNormFwdKernel<T, kVec, false>;
+  if (vec == kVec && wide) {
+    auto k = res ? LayerNormFwdKernel<T, kVec, kFwdWideElems, true> : LayerNormFwdKernel<T, kVec, kFwdWideElems, false>;
+    k<<<grid, block, 0, stream>>>(a);
+  } else if (vec == kVec) {
+    auto k = res ? LayerNormFwdKernel<T, kVec, kFwdElems, true> : LayerNormFwdKernel<T, kVec, kFwdElems, false>;
     k<<<grid, block, 0, stream>>>(a);
   } else {
-    auto k = res ? LayerNormFwdKernel<T, 1, true> : LayerNormFwdKernel<T, 1, false>;
+    auto k = res ? LayerNormFwdKernel<T, 1, kFwdElems, true> : LayerNormFwdKernel<T, 1, kFwdElems, false>;
     k<<<grid, block, 0, stream>>>(a);
   }
   return cudaGetLastError();
