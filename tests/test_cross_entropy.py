@@ -300,6 +300,7 @@ def test_gpu_two_x_rule(dtype, lead, vocab, eps, ignore):
     assert err(gm, tg) <= 2 * err(rgm, tg)
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_linear_cross_entropy_matches_unfused():
     k = jax.random.split(jax.random.key(22), 3)

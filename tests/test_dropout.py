@@ -362,6 +362,7 @@ def test_gpu_vs_float64(dtype, shape, act):
             assert _err(o, t) <= 2 * _err(w, t) + floor, (i, _err(o, t), _err(w, t))
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(8192, 1024), (7, 769), (3, 5, 123)])
 def test_gpu_masks_equal_reference(shape):
@@ -384,6 +385,7 @@ def test_gpu_masks_equal_reference(shape):
                                   np.asarray((r.astype(jnp.float32) + 0).astype(jnp.bfloat16), np.float32)[dropped])
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_deterministic_exact():
     x, b, r, _ = _inputs((33, 4096), jnp.bfloat16)

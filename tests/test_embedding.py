@@ -273,6 +273,7 @@ def test_gpu_two_x_rule(dtype, hidden, pos):
         assert err(dp, tdp) <= 2 * err(rdp, tdp)
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_sorted_mode_is_bitwise_reproducible():
     ids = jax.random.randint(jax.random.key(0), (16, 1024), 0, 50, jnp.int32)  # heavy repetition

@@ -225,6 +225,7 @@ def test_gpu_against_float64_truth(dtype, shape, fused_residual):
         assert_within_2x(names[i], gk[i], gx[i], truth_grads[i])
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_every_output_element_written():
     # Outputs are donated NaN buffers' neighbours: any unwritten element would stay NaN
@@ -238,6 +239,7 @@ def test_gpu_every_output_element_written():
         assert bool(jnp.all(jnp.isfinite(arr)))
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_program_calls_the_kernel():
     x, g, b, _ = inputs((8, 64))

@@ -375,6 +375,7 @@ def test_gpu_against_float64_truth(dtype, shape, padded, causal, rate):
         assert_within_2x(name, a, bx, t)
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_masks_and_values_equal_the_reference_path():
     import os
@@ -390,6 +391,7 @@ def test_gpu_masks_and_values_equal_the_reference_path():
     assert "JAX_LS2_IMPL" not in os.environ or os.environ["JAX_LS2_IMPL"] != "reference"
 
 
+@pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_every_output_element_written():
     s, mask, _, key = inputs((3, 5, 17, 777), jnp.bfloat16, mask_shape=(3, 1, 1, 777))
