@@ -39,8 +39,13 @@ for step in $STEPS; do
       for b in bench/bench_*.py; do
         name=$(basename "$b" .py)
         [ "$name" = bench_models ] && continue
+        case $name in
+          bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
+          bench_optim) args="--parts ${OPTIM_PARTS:-update}" ;;
+          *) args="" ;;
+        esac
         t0=$(date +%s)
-        if timeout ${BENCH_TIMEOUT:-300} $PY -m bench.$name --out "$OUT" >"$OUT/$name.log" 2>&1; then
+        if timeout ${BENCH_TIMEOUT:-300} $PY -m bench.$name --out "$OUT" $args >"$OUT/$name.log" 2>&1; then
           summary+=("$name: ok ($(( $(date +%s) - t0 )) s)")
         else
           summary+=("$name: FAILED ($(( $(date +%s) - t0 )) s), see $name.log"); tail -5 "$OUT/$name.log"
@@ -49,7 +54,7 @@ for step in $STEPS; do
       ;;
     models)
       t0=$(date +%s)
-      timeout 540 $PY -m bench.bench_models --out "$OUT" >"$OUT/bench_models.log" 2>&1
+      timeout ${MODELS_TIMEOUT:-540} $PY -m bench.bench_models --out "$OUT" ${MODELS_ARGS:-} >"$OUT/bench_models.log" 2>&1
       summary+=("bench_models: exit $? ($(( $(date +%s) - t0 )) s)")
       ;;
   esac
