@@ -37,6 +37,24 @@ def sr_bits(flat_index: jax.Array, seed: jax.Array) -> jax.Array:
     return _mix32(_mix32((idx * np.uint32(0x9E3779B1)) ^ seed[0]) ^ salt)
 
 
+def _bits_to_f32(b: jax.Array, dtype) -> jax.Array:
+    """float32 value of the float16/bfloat16 `dtype` element with uint16 bits `b`,
+    decoded with integer ops. A plain ``astype(float32)`` of ``x.astype(dtype)`` is a
+    float32 -> dtype -> float32 convert pair, which XLA:GPU (SimplifyFPConversions,
+    on with the default xla_allow_excess_precision) folds to ``x`` itself; bitcasts in
+    between are folded away too, so the round trip cannot be written with converts."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        return jax.lax.bitcast_convert_type(b.astype(jnp.uint32) << np.uint32(16), jnp.float32)
+    b = b.astype(jnp.uint32)
+    e = (b >> np.uint32(10)) & np.uint32(0x1F)
+    m = b & np.uint32(0x3FF)
+    sig = jnp.where(e > 0, m | np.uint32(0x400), m).astype(jnp.float32)  # exact (< 2^11)
+    scale = jax.lax.bitcast_convert_type((jnp.maximum(e, np.uint32(1)) + np.uint32(127 - 25)) << np.uint32(23),
+                                         jnp.float32)  # 2^(max(e, 1) - 25), a normal float32
+    mag = jnp.where(e == 0x1F, jnp.where(m == 0, jnp.float32(np.inf), jnp.float32(np.nan)), sig * scale)
+    return jnp.where((b >> np.uint32(15)) != 0, -mag, mag)
+
+
 def round_stochastic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     """float32 `x` rounded to float16/bfloat16 `dtype`, up with probability
     (|x| - |lo|) / (|hi| - |lo|) where lo, hi are the neighbours towards and away
@@ -44,12 +62,12 @@ def round_stochastic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     dtype = jnp.dtype(dtype)
     near = x.astype(dtype)
     b = jax.lax.bitcast_convert_type(near, jnp.uint16)
-    lo = near.astype(jnp.float32)
+    lo = _bits_to_f32(b, dtype)
     down = jnp.abs(lo) > jnp.abs(x)
     b = jnp.where(down, b - np.uint16(1), b)
-    lo = jax.lax.bitcast_convert_type(b, dtype).astype(jnp.float32)
+    lo = _bits_to_f32(b, dtype)
     hb = b + np.uint16(1)
-    hi = jax.lax.bitcast_convert_type(hb, dtype).astype(jnp.float32)
+    hi = _bits_to_f32(hb, dtype)
     frac = (jnp.abs(x) - jnp.abs(lo)) / (jnp.abs(hi) - jnp.abs(lo))
     u = (bits >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
     out_bits = jnp.where((lo != x) & (u < frac), hb, b)
