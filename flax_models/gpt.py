@@ -28,5 +28,8 @@ class GPT(nnx.Module):
         return self.embed.attend(self.decoder(self.embed(input_ids), causal=True))
 
     def loss(self, batch):
-        loss, count = self.criterion(self(batch["input_ids"]), batch["labels"])
+        # The output projection and the loss together: with jax_ls2 layers the
+        # (tokens, vocab) logits are never held whole.
+        hidden = self.decoder(self.embed(batch["input_ids"]), causal=True)
+        loss, count = self.criterion.linear(*self.embed.projection(hidden), batch["labels"])
         return loss, {"tokens": count}

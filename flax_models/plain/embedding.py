@@ -45,6 +45,11 @@ class Embedding(nnx.Module):
     def attend(self, x):
         return self.tokens.attend(x)
 
+    def projection(self, x):
+        """The operands of `attend` after its dtype promotion: ``(x, table)`` with
+        table ``(vocab, hidden)``, so ``x @ table.T`` equals ``attend(x)``."""
+        return self.tokens.promote_dtype((x, self.tokens.embedding[...]), dtype=self.tokens.dtype)
+
 
 class CrossEntropyCriterion(nnx.Module):
     def __init__(self, *, label_smoothing=0.0, ignore_index=None, z_loss=0.0):
@@ -62,3 +67,6 @@ class CrossEntropyCriterion(nnx.Module):
         keep = jnp.ones(labels.shape, bool) if self.ignore_index is None else labels != self.ignore_index
         count = jnp.sum(keep).astype(jnp.float32)
         return jnp.sum(jnp.where(keep, loss, 0.0)) / jnp.maximum(count, 1.0), count
+
+    def linear(self, hidden, weight, labels):
+        return self(jnp.dot(hidden, weight.T), labels)

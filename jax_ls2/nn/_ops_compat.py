@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from jax_ls2 import _random
 from jax_ls2.ops import (bias_act_dropout, bias_dropout_residual, cross_entropy, embedding,
-                         layer_norm, softmax_dropout)
+                         layer_norm, linear_cross_entropy, softmax_dropout)
 
 __all__ = ["bias_act_dropout", "bias_dropout_residual", "cross_entropy", "dropout", "embedding",
-           "layer_norm", "softmax_dropout", "xla_softmax_dropout"]
+           "layer_norm", "linear_cross_entropy", "softmax_dropout", "xla_softmax_dropout"]
 
 _NEG = -1e30
 

@@ -13,6 +13,8 @@ class CrossEntropyCriterion(nnx.Module):
     Smoothed loss per token: ``(1 - eps) * nll + eps * (logsumexp - mean(logits))``.
     ``__call__(logits, labels)``: logits (..., vocab) any float dtype, labels int (...)
     -> (mean fp32 loss, fp32 number of counted tokens).
+    ``linear(hidden, weight, labels)``: the same loss of ``hidden @ weight.T`` without
+    materialising the logits (hidden (..., h), weight (vocab, h), one dtype).
     """
 
     def __init__(self, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
@@ -27,7 +29,18 @@ class CrossEntropyCriterion(nnx.Module):
         if logits.shape[:-1] != labels.shape:
             raise ValueError(f"CrossEntropyCriterion: labels must have shape {logits.shape[:-1]}, "
                              f"got {tuple(labels.shape)}")
+        # reduction="mean": the logits' gradient is formed in the loss's own pass.
         loss, count = ops.cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
-                                        ignore_index=self.ignore_index, z_loss=self.z_loss)
-        count = jnp.asarray(count, jnp.float32)
-        return jnp.sum(loss) / jnp.maximum(count, 1.0), count
+                                        ignore_index=self.ignore_index, z_loss=self.z_loss,
+                                        reduction="mean")
+        return loss, jnp.asarray(count, jnp.float32)
+
+    def linear(self, hidden, weight, labels):
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"CrossEntropyCriterion.linear: labels must have shape {hidden.shape[:-1]}, "
+                             f"got {tuple(labels.shape)}")
+        loss, count = ops.linear_cross_entropy(hidden, weight, labels,
+                                               label_smoothing=self.label_smoothing,
+                                               ignore_index=self.ignore_index, z_loss=self.z_loss,
+                                               reduction="mean")
+        return loss, jnp.asarray(count, jnp.float32)

@@ -59,3 +59,8 @@ class Embedding(nnx.Module):
 
     def attend(self, x):
         return self.tokens.attend(x)
+
+    def projection(self, x):
+        """The operands of `attend` after its dtype promotion: ``(x, table)`` with
+        table ``(vocab, hidden)``, so ``x @ table.T`` equals ``attend(x)``."""
+        return self.tokens.promote_dtype((x, self.tokens.embedding[...]), dtype=self.tokens.dtype)
