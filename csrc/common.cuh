@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -44,6 +45,24 @@ inline ffi::Error CudaStatus(const char* op, cudaError_t err) {
     return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
   }
   return ffi::Error::Success();
+}
+
+// Test aid: with JAX_LS2_POISON_OUTPUTS=1 in the environment, handlers fill their
+// (non-aliased, non-workspace) outputs with all-ones bits, a NaN in every float dtype,
+// before launching, so an element a kernel fails to write shows up as NaN.
+inline bool PoisonOutputsEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAX_LS2_POISON_OUTPUTS");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+inline void PoisonOutputs(cudaStream_t) {}
+template <typename... Rest>
+inline void PoisonOutputs(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& out, Rest&... rest) {
+  if (!PoisonOutputsEnabled()) return;
+  if (out->size_bytes() > 0) cudaMemsetAsync(out->untyped_data(), 0xFF, out->size_bytes(), stream);
+  PoisonOutputs(stream, rest...);
 }
 
 // Number of rows when the last dimension is the row length.

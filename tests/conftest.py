@@ -1,6 +1,10 @@
-"""Test setup: 8 simulated CPU devices for the sharding tests, and the `gpu` marker (skipped without a GPU and the compiled kernels)."""
+"""Test setup: 8 simulated CPU devices for the sharding tests, the `gpu` marker
+(skipped without a GPU and the compiled kernels), and NaN-filled kernel outputs
+(JAX_LS2_POISON_OUTPUTS=1: the FFI handlers fill their outputs with NaN before each
+launch, so an element a kernel fails to write fails the GPU tests)."""
 import os
 
+os.environ.setdefault("JAX_LS2_POISON_OUTPUTS", "1")
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"

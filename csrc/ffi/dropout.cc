@@ -34,6 +34,7 @@ ffi::Error BiasDropoutResidualFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi
     return ffi::Error::InvalidArgument(std::string(op) + ": residual must have x's shape");
   DropoutFwdArgs a{Ptr(x), Ptr(bias), Ptr(residual), Seed(seed), Ptr(y), LeadingCount(x), LastDim(x),
                    (uint32_t)threshold, scale, 0};
+  PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchBiasDropoutResidualFwd<T>(a, stream));
@@ -52,6 +53,7 @@ ffi::Error BiasDropoutResidualBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ff
                    pdims.size() > 0 ? pdims[0] : 0, LeadingCount(dy), LastDim(dy), (uint32_t)threshold, scale, 0};
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
+  PoisonOutputs(stream, dx, dbias);
   return DispatchFloat(dy.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchBiasDropoutResidualBwd<T>(a, stream));
@@ -69,6 +71,7 @@ ffi::Error BiasActDropoutFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     return ffi::Error::InvalidArgument(std::string(op) + ": unknown activation code");
   DropoutFwdArgs a{Ptr(x), Ptr(bias), nullptr, Seed(seed), Ptr(y), LeadingCount(x), LastDim(x),
                    (uint32_t)threshold, scale, (int)activation};
+  PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchBiasActDropoutFwd<T>(a, stream));
@@ -93,6 +96,7 @@ ffi::Error BiasActDropoutBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::An
                    (int)activation};
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
+  PoisonOutputs(stream, dx, dbias);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchBiasActDropoutBwd<T>(a, stream));

@@ -18,6 +18,8 @@ ffi::Error Fwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& x, con
                      sum ? Ptr(*sum) : nullptr, F32(mean), F32(rstd), LeadingCount(x), LastDim(x), eps};
   if (gamma.element_count() != a.hidden || beta.element_count() != a.hidden)
     return ffi::Error::InvalidArgument(std::string(op) + ": gamma/beta size must equal the hidden size");
+  PoisonOutputs(stream, y, mean, rstd);
+  if (sum != nullptr) PoisonOutputs(stream, *sum);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchLayerNormFwd<T>(a, stream));
@@ -52,6 +54,7 @@ ffi::Error Bwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& dy, co
                      LeadingCount(x), LastDim(x)};
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
+  PoisonOutputs(stream, dx, dgamma, dbeta);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchLayerNormBwd<T>(a, stream));

@@ -117,6 +117,7 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (stats->element_count() != a.p.rows * 2 || stats->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument(std::string(op) + ": stats must be float32 (..., q, 2)");
   a.y = y->untyped_data();
+  PoisonOutputs(stream, y, stats);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchSoftmaxFwd<T>(a, stream));
@@ -141,6 +142,7 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
     return ffi::Error::InvalidArgument(std::string(op) + ": dy must match scores");
   a.dy = dy.untyped_data();
   a.dx = dx->untyped_data();
+  PoisonOutputs(stream, dx);
   a.grad_scale = grad_scale;
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
