@@ -40,6 +40,7 @@ float* F32(ffi::Result<ffi::AnyBuffer>& b) { return static_cast<float*>(b->untyp
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                    ffi::Result<ffi::AnyBuffer> loss, float smoothing, float z_loss, int64_t ignore_index,
                    bool has_ignore) {
+  PoisonOutputs(stream, loss);
   return Run(stream, "cross_entropy", logits, labels, nullptr, false, F32(loss), nullptr,
              {smoothing, z_loss, ignore_index, has_ignore});
 }
@@ -49,6 +50,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer la
 ffi::Error FwdGradImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> grad, float smoothing,
                        float z_loss, int64_t ignore_index, bool has_ignore) {
+  PoisonOutputs(stream, loss, grad);
   return Run(stream, "cross_entropy(grad)", logits, labels, &scale, false, F32(loss), grad->untyped_data(),
              {smoothing, z_loss, ignore_index, has_ignore});
 }
@@ -58,6 +60,7 @@ ffi::Error FwdGradImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffe
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer dloss,
                    ffi::Result<ffi::AnyBuffer> dlogits, float smoothing, float z_loss, int64_t ignore_index,
                    bool has_ignore) {
+  PoisonOutputs(stream, dlogits);
   return Run(stream, "cross_entropy backward", logits, labels, &dloss, true, nullptr, dlogits->untyped_data(),
              {smoothing, z_loss, ignore_index, has_ignore});
 }

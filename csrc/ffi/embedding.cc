@@ -40,6 +40,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer posit
                      static_cast<const uint32_t*>(seed.untyped_data()), out->untyped_data(), rows, tdims[1],
                      tdims[0], pdims[0], (int)pos_mode, scale, padding_idx, has_padding,
                      (uint32_t)threshold, keep_scale};
+  PoisonOutputs(stream, out);
   return DispatchFloat(table.element_type(), op, [&](auto tt) -> ffi::Error {
     using TT = decltype(tt);
     return DispatchFloat(out->element_type(), op, [&](auto to) -> ffi::Error {
