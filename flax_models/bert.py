@@ -36,17 +36,25 @@ class Bert(nnx.Module):
         self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype))
         self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
 
-    def __call__(self, input_ids, *, token_type_ids=None, padding_mask=None):
+    def features(self, input_ids, *, token_type_ids=None, padding_mask=None):
+        """The MLM head's input to the tied output projection: (B, T, hidden)."""
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embed(input_ids)
         x = self.embed_drop(self.embed_ln(x + self.token_type(token_type_ids).astype(x.dtype)))
         x = self.encoder(x, padding_mask=padding_mask)
-        x = self.mlm_ln(jax.nn.gelu(self.mlm_dense(x), approximate=False))
-        logits = self.embed.attend(x)
+        return self.mlm_ln(jax.nn.gelu(self.mlm_dense(x), approximate=False))
+
+    def __call__(self, input_ids, *, token_type_ids=None, padding_mask=None):
+        logits = self.embed.attend(self.features(input_ids, token_type_ids=token_type_ids,
+                                                 padding_mask=padding_mask))
         return logits + self.mlm_bias[...].astype(logits.dtype)
 
     def loss(self, batch):
-        logits = self(batch["input_ids"], padding_mask=batch.get("padding_mask"))
-        loss, count = self.criterion(logits, batch["labels"])
+        # Output projection and loss together: with jax_ls2 layers the logits are never whole.
+        x = self.features(batch["input_ids"], token_type_ids=batch.get("token_type_ids"),
+                          padding_mask=batch.get("padding_mask"))
+        x, table = self.embed.projection(x)
+        loss, count = self.criterion.linear(x, table, batch["labels"],
+                                            bias=self.mlm_bias[...].astype(x.dtype))
         return loss, {"tokens": count}

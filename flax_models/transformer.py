@@ -33,13 +33,17 @@ class Transformer(nnx.Module):
         self.criterion = lib.CrossEntropyCriterion(label_smoothing=cfg.label_smoothing,
                                                    ignore_index=cfg.pad_id)
 
-    def __call__(self, src, tgt_in):
+    def features(self, src, tgt_in):
+        """Decoder output before the tied output projection: (B, T_tgt, hidden)."""
         src_mask = src != self.cfg.pad_id
         memory = self.encoder(self.embed(src), padding_mask=src_mask)
-        out = self.decoder(self.embed(tgt_in), memory, memory_padding_mask=src_mask)
-        return self.embed.attend(out)
+        return self.decoder(self.embed(tgt_in), memory, memory_padding_mask=src_mask)
+
+    def __call__(self, src, tgt_in):
+        return self.embed.attend(self.features(src, tgt_in))
 
     def loss(self, batch):
-        logits = self(batch["src"], batch["tgt_in"])
-        loss, count = self.criterion(logits, batch["tgt_out"])
+        # Output projection and label-smoothed loss together (no whole logits with jax_ls2).
+        out = self.features(batch["src"], batch["tgt_in"])
+        loss, count = self.criterion.linear(*self.embed.projection(out), batch["tgt_out"])
         return loss, {"tokens": count}

@@ -68,5 +68,6 @@ class CrossEntropyCriterion(nnx.Module):
         count = jnp.sum(keep).astype(jnp.float32)
         return jnp.sum(jnp.where(keep, loss, 0.0)) / jnp.maximum(count, 1.0), count
 
-    def linear(self, hidden, weight, labels):
-        return self(jnp.dot(hidden, weight.T), labels)
+    def linear(self, hidden, weight, labels, bias=None):
+        logits = jnp.dot(hidden, weight.T)
+        return self(logits if bias is None else logits + bias, labels)

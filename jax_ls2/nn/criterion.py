@@ -13,8 +13,9 @@ class CrossEntropyCriterion(nnx.Module):
     Smoothed loss per token: ``(1 - eps) * nll + eps * (logsumexp - mean(logits))``.
     ``__call__(logits, labels)``: logits (..., vocab) any float dtype, labels int (...)
     -> (mean fp32 loss, fp32 number of counted tokens).
-    ``linear(hidden, weight, labels)``: the same loss of ``hidden @ weight.T`` without
-    materialising the logits (hidden (..., h), weight (vocab, h), one dtype).
+    ``linear(hidden, weight, labels, bias=None)``: the same loss of ``hidden @ weight.T
+    + bias`` without materialising the logits (hidden (..., h), weight (vocab, h), bias
+    (vocab,), one dtype).
     """
 
     def __init__(self, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
@@ -35,11 +36,11 @@ class CrossEntropyCriterion(nnx.Module):
                                         reduction="mean")
         return loss, jnp.asarray(count, jnp.float32)
 
-    def linear(self, hidden, weight, labels):
+    def linear(self, hidden, weight, labels, bias=None):
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(f"CrossEntropyCriterion.linear: labels must have shape {hidden.shape[:-1]}, "
                              f"got {tuple(labels.shape)}")
-        loss, count = ops.linear_cross_entropy(hidden, weight, labels,
+        loss, count = ops.linear_cross_entropy(hidden, weight, labels, bias=bias,
                                                label_smoothing=self.label_smoothing,
                                                ignore_index=self.ignore_index, z_loss=self.z_loss,
                                                reduction="mean")
