@@ -21,7 +21,8 @@ Operands and results are described by `Role`s:
   across shards with ``psum``.
 
 Environment: ``JAX_LS2_IMPL=auto|cuda|reference`` (default auto: the kernels where
-the platform is CUDA and the extension is built).
+the platform is CUDA and the extension is built). It is read the first time an op is
+traced with a given set of static options; set it before the first call.
 """
 from __future__ import annotations
 
