@@ -34,6 +34,16 @@ def _layer_kwargs(kw):
     return {k: v for k, v in kw.items() if k not in ("final_layer_norm", "remat")}
 
 
+def _final_layer_norm(hidden_size, final_layer_norm, layer_kw):
+    """The stack's closing LayerNorm: by default present for pre-LN layers only."""
+    if final_layer_norm is None:
+        final_layer_norm = layer_kw.get("pre_layer_norm", True)
+    if not final_layer_norm:
+        return nnx.data(None)
+    return LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
+                     dtype=layer_kw.get("dtype"), param_dtype=layer_kw.get("param_dtype", jnp.float32))
+
+
 class TransformerEncoder(nnx.Module):
     """``num_layers`` `TransformerEncoderLayer` s (``layers``) and, when
     ``final_layer_norm`` (default: pre_layer_norm), a last LayerNorm ``final_ln``.
@@ -51,12 +61,7 @@ class TransformerEncoder(nnx.Module):
         self.layers = nnx.List([TransformerEncoderLayer(hidden_size, ffn_size, num_heads,
                                                         rngs=rngs, **layer_kw)
                                 for _ in range(num_layers)])
-        if final_layer_norm is None:
-            final_layer_norm = layer_kw.get("pre_layer_norm", True)
-        self.final_ln = (LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
-                                   dtype=layer_kw.get("dtype"),
-                                   param_dtype=layer_kw.get("param_dtype", jnp.float32))
-                         if final_layer_norm else nnx.data(None))
+        self.final_ln = _final_layer_norm(hidden_size, final_layer_norm, layer_kw)
         self.remat = remat
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
@@ -84,12 +89,7 @@ class TransformerDecoder(nnx.Module):
         self.layers = nnx.List([TransformerDecoderLayer(hidden_size, ffn_size, num_heads,
                                                         rngs=rngs, **layer_kw)
                                 for _ in range(num_layers)])
-        if final_layer_norm is None:
-            final_layer_norm = layer_kw.get("pre_layer_norm", True)
-        self.final_ln = (LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
-                                   dtype=layer_kw.get("dtype"),
-                                   param_dtype=layer_kw.get("param_dtype", jnp.float32))
-                         if final_layer_norm else nnx.data(None))
+        self.final_ln = _final_layer_norm(hidden_size, final_layer_norm, layer_kw)
         self.batched_cross_kv = batched_cross_kv
         self.remat = remat
         self.dtype = layer_kw.get("dtype")
