@@ -3,13 +3,11 @@
 backward and both. Writes dropout.csv under --out."""
 from __future__ import annotations
 
-import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import Rows, compare, copies_for
+from bench.common import Rows, compare, copies_for, op_bench_main
 from jax_ls2.ops import bias_act_dropout, bias_dropout_residual
 
 SHAPES = [(16384, 768), (8192, 1024), (8192, 4096)]
@@ -86,15 +84,7 @@ def run(rows: Rows, dtypes, reps: int):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--reps", type=int, default=60)
-    p.add_argument("--dtypes", default="bfloat16,float16")
-    a = p.parse_args()
-    rows = Rows()
-    run(rows, [jnp.dtype(d) for d in a.dtypes.split(",")], a.reps)
-    rows.write(os.path.join(a.out, "dropout.csv"))
-    rows.print_table()
+    op_bench_main("dropout.csv", run)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,19 @@ def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: 
     return rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="jax_ls2", ms_median=mo[0],
                     ms_p20=mo[1], ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3),
                     device_ms=do or "", device_speedup_vs_xla=dev_speedup)
+
+
+def op_bench_main(csv_name: str, run: Callable, default_dtypes: str = "bfloat16,float16"):
+    """Command line of an op benchmark: --out, --reps, --dtypes; runs
+    ``run(rows, dtypes, reps)``, writes ``<out>/<csv_name>`` and prints the table."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--dtypes", default=default_dtypes)
+    a = p.parse_args()
+    rows = Rows()
+    run(rows, [jax.numpy.dtype(d) for d in a.dtypes.split(",")], a.reps)
+    rows.write(os.path.join(a.out, csv_name))
+    rows.print_table()
