@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
-#   bash bench/gpu_check.sh [tests|bench|sanitize|all]...   (default: tests bench)
+#   bash bench/gpu_check.sh [tests|bench|sanitize|models]...   (default: tests bench)
+# Env: TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+# MODELS_ARGS, and *_TIMEOUT limits in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
@@ -23,9 +25,20 @@ for step in $STEPS; do
   case $step in
     tests)
       t0=$(date +%s)
-      timeout ${TEST_TIMEOUT:-400} $PY -m pytest tests -m gpu -q -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
-      summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log") ($(( $(date +%s) - t0 )) s)")
-      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+      # One pytest per test file, side by side: the run is bound by XLA compiles on the
+      # host, and the GPU memory is shared (no preallocation).
+      pids=()
+      for f in ${TEST_FILES:-tests/test_*.py}; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-400} $PY -m pytest "$f" -m gpu -q \
+          -p no:cacheprovider >"$OUT/gpu_tests_$(basename "$f" .py).log" 2>&1 &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      for log in "$OUT"/gpu_tests_*.log; do
+        summary+=("$(basename "$log" .log): $(tail -1 "$log")")
+        grep -E "^(FAILED|ERROR)" "$log" | head -10
+      done
+      summary+=("gpu tests: $(( $(date +%s) - t0 )) s")
       ;;
     sanitize)
       t0=$(date +%s)
@@ -36,8 +49,7 @@ for step in $STEPS; do
       done
       ;;
     bench)
-      for b in bench/bench_*.py; do
-        name=$(basename "$b" .py)
+      for name in ${BENCHES:-$(cd bench && ls bench_*.py | sed 's/\.py$//')}; do
         [ "$name" = bench_models ] && continue
         case $name in
           bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
