@@ -10,7 +10,7 @@ OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STEPS=${*:-tests bench}
-export PYTHONUNBUFFERED=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export PYTHONUNBUFFERED=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=${JAX_LS2_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 summary=()
 
