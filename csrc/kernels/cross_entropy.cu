@@ -13,6 +13,8 @@
 #include "common.cuh"
 #include "kernels/cross_entropy.h"
 
+#include <type_traits>
+
 namespace jax_ls2 {
 namespace {
 
@@ -155,8 +157,16 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     if (!valid) s = NAN;
     const float pz = 1.f + 2.f * a.z_loss * lse;
     const float off = eps / (float)V, on = 1.f - eps;
+    // softmax as exp(v - max) / sum rather than exp(v - lse): the rounding of lse
+    // (half an ulp of ~log(vocab)) would otherwise shift every probability alike.
+    const float inv_d = 1.f / d;
     auto grad_of = [&](float v, int64_t c) {
-      const float p = exp2f((v - lse) * kLog2e);
+      float p;
+      if constexpr (std::is_same_v<T, float>) {
+        p = expf(v - m) * inv_d;
+      } else {
+        p = exp2f((v - m) * kLog2e) * inv_d;
+      }
       return s * (p * pz - (c == label ? on + off : off));
     };
     for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
