@@ -102,6 +102,8 @@ def run_one(name, impl, steps, warmup, quick, smoke):
 
 
 def git_commit():
+    if os.environ.get("JAX_LS2_COMMIT"):
+        return os.environ["JAX_LS2_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()
@@ -165,18 +167,9 @@ def main(argv=None):
             r = json.loads(got[-1][7:])
             r.update(git_commit=commit, date=date)
             rows.append(r)
-    for r in rows:
-        base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
-        r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
-    fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
-              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "gpu", "jax_version",
-              "git_commit", "date"]
-    path = os.path.join(args.out, f"models_{date[:10]}{'_quick' if args.quick else ''}"
-                                  f"{'_smoke' if args.smoke else ''}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+            print(f"{name}/{impl}: {r['ms_median']:.2f} ms, {r['tokens_per_s']:,.0f} {r['unit']}/s, "
+                  f"peak {r['peak_mem_gb']:.2f} GB", flush=True)
+        path = write_csv(rows, args.out, date, args.quick, args.smoke)
     png = chart(rows, path[:-4] + ".png") if rows else None
     print(f"{'model':<18}{'shape':<26}{'impl':<7}{'ms':>9}{'units/s':>12}{'MFU':>7}"
           f"{'peak GB':>9}{'speedup':>9}")
@@ -187,6 +180,23 @@ def main(argv=None):
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     if len(rows) < 2 * len(args.models):
         sys.exit(1)
+
+
+def write_csv(rows, out, date, quick, smoke):
+    """Writes every row so far (with speedups over the plain twin); returns the path."""
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
+        r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
+    fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
+              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "gpu", "jax_version",
+              "git_commit", "date"]
+    path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
+                             f"{'_smoke' if smoke else ''}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 if __name__ == "__main__":
