@@ -86,6 +86,8 @@ def run_one(name, impl, steps, warmup, quick, smoke):
         state, loss, _ = step(state, batches[i % 4])
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
+    if os.environ.get("JAX_LS2_PROFILE_TOP"):
+        print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
     ms = 1e3 * np.asarray(times)
     med = float(np.median(ms))
     units = data.tokens_in(cfg, batches[0])
@@ -99,6 +101,22 @@ def run_one(name, impl, steps, warmup, quick, smoke):
             "peak_mem_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
             "optimizer": opt, "loss": float(loss),
             "gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+
+
+def print_top_kernels(run, state, top, steps=3):
+    """Prints the `top` kernels by device time per step (CUPTI through torch.profiler)."""
+    import jax
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            state, loss, _ = run(state)
+        jax.block_until_ready(loss)
+    events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
+    total = sum(e.device_time_total for e in events)
+    print(f"device time per step: {total / steps / 1e3:.2f} ms", file=sys.stderr)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / steps / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}% "
+              f"x{e.count // steps:<4} {e.key[:110]}", file=sys.stderr)
 
 
 def git_commit():
@@ -161,6 +179,9 @@ def main(argv=None):
             cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
             proc = subprocess.run(cmd, capture_output=True, text=True)
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if os.environ.get("JAX_LS2_PROFILE_TOP"):
+                print(f"---- {name}/{impl}\n" + "\n".join(
+                    l for l in proc.stderr.splitlines() if l.startswith(("device time", "  "))))
             if proc.returncode or not got:
                 print(f"{name}/{impl} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
