@@ -19,12 +19,23 @@ namespace jax_ls2 {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(t) for t = logit - max <= 0. fp32 logits use the accurate expf (its error matches
+// XLA's); 16-bit logits, whose own rounding dominates, use the cheaper exp2.
+template <typename T>
+__device__ __forceinline__ float ExpShifted(float t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return expf(t);
+  } else {
+    return exp2f(t * kLog2e);
+  }
+}
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
 constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
 
 // Folds values v into the running (m, d = sum exp(x - m)) and the plain sum sx.
-template <int N>
+template <typename T, int N>
 __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float& d, float& sx) {
   float lm = v[0];
 #pragma unroll
@@ -33,15 +44,12 @@ __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float&
     sx += v[j];
   }
   if (lm > m) {
-    d *= exp2f((m - lm) * kLog2e);  // m = -inf: d is 0 and stays 0
+    d *= ExpShifted<T>(m - lm);  // m = -inf: d is 0 and stays 0
     m = lm;
   }
   if (m == -INFINITY) return;
-  // exp(v - m) as exp2((v - m) * log2 e): subtracting first keeps the argument's
-  // error relative to (v - m), not to v (fp32 logits of magnitude ~10 would otherwise
-  // lose about three bits).
 #pragma unroll
-  for (int j = 0; j < N; ++j) d += exp2f((v[j] - m) * kLog2e);
+  for (int j = 0; j < N; ++j) d += ExpShifted<T>(v[j] - m);
 }
 
 __device__ __forceinline__ void Merge(float& m, float& d, float m2, float d2) {
@@ -114,11 +122,11 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
   float m = -INFINITY, d = 0.f, sx = 0.f;
   for (int64_t c = threadIdx.x; c < head; c += bd) {
     float v[1] = {ToFloat(x[c])};
-    Accumulate(v, m, d, sx);
+    Accumulate<T>(v, m, d, sx);
   }
   for (int64_t c = body_end + threadIdx.x; c < V; c += bd) {
     float v[1] = {ToFloat(x[c])};
-    Accumulate(v, m, d, sx);
+    Accumulate<T>(v, m, d, sx);
   }
   int64_t i = threadIdx.x;
   for (; i + (int64_t)(kUnroll - 1) * bd < nvec; i += (int64_t)kUnroll * bd) {
@@ -131,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
       float v[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) v[j] = ToFloat(pk[u].v[j]);
-      Accumulate(v, m, d, sx);
+      Accumulate<T>(v, m, d, sx);
     }
   }
   for (; i < nvec; i += bd) {
@@ -140,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     float v[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) v[j] = ToFloat(pk.v[j]);
-    Accumulate(v, m, d, sx);
+    Accumulate<T>(v, m, d, sx);
   }
   BlockReduce(m, d, sx, sh);
   const float lse = m + logf(d);
@@ -161,12 +169,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     // (half an ulp of ~log(vocab)) would otherwise shift every probability alike.
     const float inv_d = 1.f / d;
     auto grad_of = [&](float v, int64_t c) {
-      float p;
-      if constexpr (std::is_same_v<T, float>) {
-        p = expf(v - m) * inv_d;
-      } else {
-        p = exp2f((v - m) * kLog2e) * inv_d;
-      }
+      const float p = ExpShifted<T>(v - m) * inv_d;
       return s * (p * pz - (c == label ? on + off : off));
     };
     for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
