@@ -41,7 +41,10 @@ class Bert(nnx.Module):
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embed(input_ids)
-        x = self.embed_drop(self.embed_ln(x + self.token_type(token_type_ids).astype(x.dtype)))
+        # A one-hot product rather than a gather: with two rows, the gather's gradient is
+        # a scatter-add of every token into the same row, which XLA serialises on GPU.
+        types = jax.nn.one_hot(token_type_ids, self.cfg.type_vocab_size, dtype=x.dtype)
+        x = self.embed_drop(self.embed_ln(x + types @ self.token_type.embedding[...].astype(x.dtype)))
         x = self.encoder(x, padding_mask=padding_mask)
         return self.mlm_ln(jax.nn.gelu(self.mlm_dense(x), approximate=False))
 

@@ -31,11 +31,15 @@ class Embedding(nnx.Module):
 
     def __call__(self, ids, *, positions=None, deterministic=None):
         dtype = self.dtype or self.tokens.embedding.dtype
-        x = self.tokens(ids).astype(jnp.float32) * self.scale
+        # Rows are gathered from the parameter (fp32) and then cast, which equals a gather
+        # from the cast table but makes the gradient an fp32 scatter-add: XLA's bf16
+        # scatter-add crawls on real text, where frequent tokens repeat.
+        x = jnp.take(self.tokens.embedding[...], ids, axis=0).astype(dtype).astype(jnp.float32)
+        x = x * self.scale
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
         if self.positions is not None:
-            x = x + self.positions(positions).astype(jnp.float32)
+            x = x + jnp.take(self.positions.embedding[...], positions, axis=0).astype(dtype).astype(jnp.float32)
         elif self.sinusoidal:
             x = x + sinusoid(positions, self.hidden_size)
         if self.padding_idx is not None:
