@@ -251,10 +251,14 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
 
 # ---------------------------------------------------------------- linear + cross entropy
 def _default_chunk(n, vocab):
-    # About 2**27 logits (256 MiB in bf16) per chunk, a multiple of 128 tokens.
+    # About 2**27 logits (256 MiB in bf16) per chunk, a multiple of 128 tokens; among
+    # those of at least half that size, one that divides n, so no token is padded.
     c = max(1, (1 << 27) // max(vocab, 1))
     if c >= 128:
         c = c // 128 * 128
+        for d in range(c, c // 2 - 1, -128):
+            if n % d == 0:
+                return d
     return max(1, min(n, c))
 
 
