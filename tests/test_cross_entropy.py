@@ -302,14 +302,25 @@ def test_gpu_two_x_rule(dtype, lead, vocab, eps, ignore):
 
 @pytest.mark.sanitize
 @pytest.mark.gpu
-def test_gpu_linear_cross_entropy_matches_unfused():
-    k = jax.random.split(jax.random.key(22), 3)
+@pytest.mark.parametrize("use_bias,eps,ignore", [(False, 0.0, None), (True, 0.1, -100)])
+def test_gpu_linear_cross_entropy_matches_unfused(use_bias, eps, ignore):
+    # vocab 50257 is padded to a multiple of 64 inside; the padding must not leak into
+    # the softmax, the smoothing term or the gradients.
+    k = jax.random.split(jax.random.key(22), 4)
     h = jax.random.normal(k[0], (1000, 256), jnp.bfloat16)
     w = (0.05 * jax.random.normal(k[1], (50257, 256), F32)).astype(jnp.bfloat16)
+    b = (0.5 * jax.random.normal(k[3], (50257,), F32)).astype(jnp.bfloat16)
     y = jax.random.randint(k[2], (1000,), 0, 50257, jnp.int32)
-    f = jax.jit(jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, chunk_size=384)[0], (0, 1)))
-    u = jax.jit(jax.value_and_grad(lambda h, w: cross_entropy(h @ w.T, y, reduction="mean")[0], (0, 1)))
-    (l1, g1), (l2, g2) = f(h, w), u(h, w)
+    if ignore is not None:
+        y = y.at[::7].set(ignore)
+    kw = dict(label_smoothing=eps, ignore_index=ignore)
+    f = jax.jit(jax.value_and_grad(lambda h, w, b: linear_cross_entropy(
+        h, w, y, bias=b if use_bias else None, chunk_size=384, **kw)[0], (0, 1, 2)))
+    u = jax.jit(jax.value_and_grad(lambda h, w, b: cross_entropy(
+        h @ w.T + (b if use_bias else 0), y, reduction="mean", **kw)[0], (0, 1, 2)))
+    (l1, g1), (l2, g2) = f(h, w, b), u(h, w, b)
+    if not use_bias:
+        g1, g2 = g1[:2], g2[:2]
     np.testing.assert_allclose(l1, l2, rtol=2e-3)
     for a, b in zip(g1, g2):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

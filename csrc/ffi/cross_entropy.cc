@@ -13,7 +13,8 @@ struct CeAttrs {
 };
 
 ffi::Error Run(cudaStream_t stream, const char* op, const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels,
-               const ffi::AnyBuffer* scale, bool scale_per_row, float* loss, void* grad, const CeAttrs& at) {
+               const ffi::AnyBuffer* scale, bool scale_per_row, float* loss, void* grad, const CeAttrs& at,
+               int64_t valid_vocab = 0) {
   if (labels.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument(std::string(op) + ": labels must be int32");
   const int64_t rows = LeadingCount(logits);
@@ -23,10 +24,14 @@ ffi::Error Run(cudaStream_t stream, const char* op, const ffi::AnyBuffer& logits
     return ffi::Error::InvalidArgument(std::string(op) + ": scale must be float32");
   if (scale != nullptr && (int64_t)scale->element_count() != (scale_per_row ? rows : 1))
     return ffi::Error::InvalidArgument(std::string(op) + ": scale has the wrong size");
+  const int64_t width = LastDim(logits);
+  if (valid_vocab < 0 || valid_vocab > width)
+    return ffi::Error::InvalidArgument(std::string(op) + ": valid_vocab must be in [0, " +
+                                       std::to_string(width) + "], got " + std::to_string(valid_vocab));
   CrossEntropyArgs a{logits.untyped_data(), static_cast<const int32_t*>(labels.untyped_data()),
                      scale ? static_cast<const float*>(scale->untyped_data()) : nullptr, scale_per_row,
-                     loss, grad, rows, LastDim(logits), at.smoothing, at.z_loss, at.ignore_index,
-                     at.has_ignore};
+                     loss, grad, rows, valid_vocab > 0 ? valid_vocab : width, width, at.smoothing, at.z_loss,
+                     at.ignore_index, at.has_ignore};
   return DispatchFloat(logits.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaStatus(op, LaunchCrossEntropy<T>(a, stream));
@@ -45,14 +50,15 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer la
              {smoothing, z_loss, ignore_index, has_ignore});
 }
 
-// Args: logits (rows..., V), labels (rows...) s32, scale () f32
-// Rets: loss (rows...) f32, grad (rows..., V) = scale * dloss/dlogits in the logits dtype
+// Args: logits (rows..., W), labels (rows...) s32, scale () f32
+// Rets: loss (rows...) f32, grad (rows..., W) = scale * dloss/dlogits in the logits dtype
+// Attr valid_vocab: the first valid_vocab columns are logits, the rest padding (grad 0).
 ffi::Error FwdGradImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> grad, float smoothing,
-                       float z_loss, int64_t ignore_index, bool has_ignore) {
+                       float z_loss, int64_t ignore_index, bool has_ignore, int64_t valid_vocab) {
   PoisonOutputs(stream, loss, grad);
   return Run(stream, "cross_entropy(grad)", logits, labels, &scale, false, F32(loss), grad->untyped_data(),
-             {smoothing, z_loss, ignore_index, has_ignore});
+             {smoothing, z_loss, ignore_index, has_ignore}, valid_vocab);
 }
 
 // Args: logits (rows..., V), labels (rows...) s32, dloss (rows...) f32
@@ -104,7 +110,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossEntropyFwdGrad, FwdGradImpl,
                                   .Attr<float>("smoothing")
                                   .Attr<float>("z_loss")
                                   .Attr<int64_t>("ignore_index")
-                                  .Attr<bool>("has_ignore"),
+                                  .Attr<bool>("has_ignore")
+                                  .Attr<int64_t>("valid_vocab"),  // 0: every column
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossEntropyBwd, BwdImpl,

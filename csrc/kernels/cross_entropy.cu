@@ -96,8 +96,11 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
   const int64_t row = blockIdx.x;
   const int64_t V = a.vocab;
   const int bd = blockDim.x;
-  const T* x = static_cast<const T*>(a.logits) + row * V;
-  T* g = GRAD ? static_cast<T*>(a.grad) + row * V : nullptr;
+  const T* x = static_cast<const T*>(a.logits) + row * a.ld;
+  T* g = GRAD ? static_cast<T*>(a.grad) + row * a.ld : nullptr;
+  if constexpr (GRAD) {
+    for (int64_t c = V + threadIdx.x; c < a.ld; c += bd) g[c] = FromFloat<T>(0.f);
+  }
   const int64_t label = a.labels[row];
   if (a.has_ignore && label == a.ignore_index) {
     if (a.loss != nullptr && threadIdx.x == 0) a.loss[row] = 0.f;

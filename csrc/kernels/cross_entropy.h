@@ -8,13 +8,14 @@
 namespace jax_ls2 {
 
 struct CrossEntropyArgs {
-  const void* logits;     // (rows, vocab), T
+  const void* logits;     // (rows, ld), T
   const int32_t* labels;  // (rows,)
   const float* scale;     // gradient scale: (,) or (rows,) when scale_per_row; nullptr means 1
   bool scale_per_row;
   float* loss;            // (rows,) f32, or nullptr
-  void* grad;             // (rows, vocab), T, or nullptr (no gradient)
-  int64_t rows, vocab;
+  void* grad;             // (rows, ld), T, or nullptr (no gradient)
+  int64_t rows, vocab;    // vocab: the columns that are logits
+  int64_t ld;             // row stride (>= vocab); grad columns [vocab, ld) are set to 0
   float smoothing;        // eps: target = (1 - eps) * onehot + eps / vocab
   float z_loss;           // + z_loss * lse^2 per counted row
   int64_t ignore_index;

@@ -65,11 +65,20 @@ def _fwd_reference(logits, labels, *, smoothing, z_loss, ignore_index, has_ignor
     return (_loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore),)
 
 
-def _fwd_grad_reference(logits, labels, scale, *, smoothing, z_loss, ignore_index, has_ignore):
+def _fwd_grad_reference(logits, labels, scale, *, smoothing, z_loss, ignore_index, has_ignore,
+                        valid_vocab=0):
+    # valid_vocab > 0: only the first valid_vocab columns are logits; the rest is padding
+    # whose gradient is 0.
+    width = logits.shape[-1]
+    if valid_vocab:
+        logits = logits[..., :valid_vocab]
     x, lse = _stats(logits)
     loss = _loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore)
     s = jnp.broadcast_to(scale.astype(F32), labels.shape)
-    return loss, _grad_of(x, lse, labels, s, smoothing, z_loss, ignore_index, has_ignore, logits.dtype)
+    g = _grad_of(x, lse, labels, s, smoothing, z_loss, ignore_index, has_ignore, logits.dtype)
+    if g.shape[-1] != width:
+        g = jnp.pad(g, [(0, 0)] * (g.ndim - 1) + [(0, width - g.shape[-1])])
+    return loss, g
 
 
 def _bwd_reference(logits, labels, dloss, *, smoothing, z_loss, ignore_index, has_ignore):
@@ -94,10 +103,10 @@ def _fwd_cuda(logits, labels, **static):
         logits, labels, **_attrs(**static))
 
 
-def _fwd_grad_cuda(logits, labels, scale, **static):
+def _fwd_grad_cuda(logits, labels, scale, *, valid_vocab=0, **static):
     out = (result_type(logits, labels.shape, F32), result_type(logits))
     return jax.ffi.ffi_call("jax_ls2_cross_entropy_fwd_grad", out, vmap_method="sequential")(
-        logits, labels, scale, **_attrs(**static))
+        logits, labels, scale, valid_vocab=np.int64(valid_vocab), **_attrs(**static))
 
 
 def _bwd_cuda(logits, labels, dloss, **static):
@@ -250,6 +259,9 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
 
 
 # ---------------------------------------------------------------- linear + cross entropy
+_VOCAB_ALIGN = 64
+
+
 def _default_chunk(n, vocab):
     # About 2**27 logits (256 MiB in bf16) per chunk, a multiple of 128 tokens; among
     # those of at least half that size, one that divides n, so no token is padded.
@@ -290,20 +302,30 @@ def _lce_fwd(h, weight, bias, labels, scale, cfg, dtypes):
     # dh = dlogits @ W and dW += dlogits^T @ h (fp32) by XLA; the logits of one chunk
     # are all that exist at a time.
     vocab, hidden = weight.shape
+    # The vocabulary is padded to a multiple of 64 with zero rows (and the kernel told to
+    # ignore the padding): odd widths such as 50257 leave the GEMMs' leading dimensions
+    # misaligned, which makes XLA pad or pick slower GEMM kernels in every chunk.
+    padded = -(-vocab // _VOCAB_ALIGN) * _VOCAB_ALIGN
+    valid = vocab if padded != vocab else 0
+    if valid:
+        weight = jnp.pad(weight, ((0, padded - vocab), (0, 0)))
+        bias = None if bias is None else jnp.pad(bias, (0, padded - vocab))
 
     def body(carry, xs):
         total, dw, db = carry
         h_c, y_c = xs
-        loss, g = _FWD_GRAD(_logits(h_c, weight, bias), y_c, scale, **_static(cfg))
+        loss, g = _FWD_GRAD(_logits(h_c, weight, bias), y_c, scale, valid_vocab=valid, **_static(cfg))
         dh = jax.lax.dot_general(g, weight, (((1,), (0,)), ((), ())), preferred_element_type=F32)
         dw = dw + jax.lax.dot_general(g, h_c, (((0,), (0,)), ((), ())), preferred_element_type=F32)
         if db is not None:
             db = db + jnp.sum(g.astype(F32), axis=0)
         return (total + jnp.sum(loss), dw, db), dh.astype(h.dtype)
 
-    init = (jnp.zeros((), F32), jnp.zeros((vocab, hidden), F32),
-            None if bias is None else jnp.zeros((vocab,), F32))
+    init = (jnp.zeros((), F32), jnp.zeros((padded, hidden), F32),
+            None if bias is None else jnp.zeros((padded,), F32))
     (total, dw, db), dh = jax.lax.scan(body, init, (h, labels))
+    dw = dw[:vocab]
+    db = None if db is None else db[:vocab]
     return total * scale, (dh, dw, db)
 
 
