@@ -17,10 +17,10 @@ namespace optim {
 constexpr int kMaxLeaves = 256;   // leaves per launch (LeafTable capacity)
 constexpr int kPad = 16;          // flat offsets are multiples of this many elements
 constexpr int kThreads = 256;     // threads per block
-constexpr int kVec = 4;           // elements per vector access
-constexpr int kChunk = kThreads * kVec * 4;  // elements per block iteration (4096)
+constexpr int kVec = 4;           // elements per vector access (norm and accumulate passes)
+constexpr int kChunk = kThreads * kVec * 4;  // elements per chunk (4096); chunks never span leaves
 constexpr int kNormBlocks = 512;  // blocks of the norm pass, per launch
-constexpr int kMaxUpdateBlocks = 8192;
+constexpr int kMaxUpdateBlocks = 8192;  // grid cap of the accumulate pass (the update runs one resident wave)
 
 enum DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum LeafFlags : uint8_t { kDecay = 1, kAligned = 2 };
