@@ -52,21 +52,23 @@ __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float&
   for (int j = 0; j < N; ++j) d += ExpShifted<T>(v[j] - m);
 }
 
+template <typename T>
 __device__ __forceinline__ void Merge(float& m, float& d, float m2, float d2) {
   const float nm = fmaxf(m, m2);
   if (nm == -INFINITY) return;
-  d = d * exp2f((m - nm) * kLog2e) + d2 * exp2f((m2 - nm) * kLog2e);
+  d = d * ExpShifted<T>(m - nm) + d2 * ExpShifted<T>(m2 - nm);
   m = nm;
 }
 
 // Block-wide merge of (m, d) and sum of sx; every thread gets the result.
+template <typename T>
 __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float* sh) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
     const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
     sx += __shfl_xor_sync(0xffffffffu, sx, o);
-    Merge(m, d, m2, d2);
+    Merge<T>(m, d, m2, d2);
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   __syncthreads();
@@ -84,7 +86,7 @@ __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
     const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
     sx += __shfl_xor_sync(0xffffffffu, sx, o);
-    Merge(m, d, m2, d2);
+    Merge<T>(m, d, m2, d2);
   }
 }
 
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     for (int j = 0; j < VEC; ++j) v[j] = ToFloat(pk.v[j]);
     Accumulate<T>(v, m, d, sx);
   }
-  BlockReduce(m, d, sx, sh);
+  BlockReduce<T>(m, d, sx, sh);
   const float lse = m + logf(d);
   const bool valid = label >= 0 && label < V;
   const float xl = valid ? ToFloat(x[valid ? label : 0]) : NAN;
