@@ -2,7 +2,7 @@
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sanitize|models]...   (default: tests bench)
-# Env: TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+# Env: PACK_TO, TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, and *_TIMEOUT limits in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,9 @@ STEPS=${*:-tests bench}
 export PYTHONUNBUFFERED=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=${JAX_LS2_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 summary=()
+# PACK_TO=file.tgz: after every step, the logs and CSVs so far are packed into that one
+# file (for machines that return few files, or stop a run at a time limit).
+pack() { [ -n "${PACK_TO:-}" ] && tar -czf "$PACK_TO" -C "$OUT" . 2>/dev/null; true; }
 
 t0=$(date +%s)
 if ! $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
@@ -39,6 +42,7 @@ for step in $STEPS; do
         grep -E "^(FAILED|ERROR)" "$log" | head -10
       done
       summary+=("gpu tests: $(( $(date +%s) - t0 )) s")
+      pack
       ;;
     sanitize)
       t0=$(date +%s)
@@ -47,6 +51,7 @@ for step in $STEPS; do
           -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1
         summary+=("compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
       done
+      pack
       ;;
     bench)
       for name in ${BENCHES:-$(cd bench && ls bench_*.py | sed 's/\.py$//')}; do
@@ -62,12 +67,14 @@ for step in $STEPS; do
         else
           summary+=("$name: FAILED ($(( $(date +%s) - t0 )) s), see $name.log"); tail -5 "$OUT/$name.log"
         fi
+        pack
       done
       ;;
     models)
       t0=$(date +%s)
       timeout ${MODELS_TIMEOUT:-540} $PY -m bench.bench_models --out "$OUT" ${MODELS_ARGS:-} >"$OUT/bench_models.log" 2>&1
       summary+=("bench_models: exit $? ($(( $(date +%s) - t0 )) s)")
+      pack
       ;;
   esac
 done
