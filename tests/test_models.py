@@ -78,6 +78,26 @@ def test_remat_and_batched_cross_kv_do_not_change_the_model():
     assert ours.decoder.batched_cross_kv
 
 
+@pytest.mark.parametrize("impl", ["ls2", "plain"])
+def test_remat_under_plain_jax_grad_over_merge(impl):
+    # jax.grad over nnx.merge (no nnx transform): remat must not write back variables it
+    # did not change; with dropout on, counters advance as without remat (copy=True).
+    cfg = fm.get_config("gpt", "tiny")
+    batch = data.make_batch(cfg, 0, 0, 2, 12)
+    losses = {}
+    for remat in (False, True):
+        for drop in (0.0, 0.1):
+            m = fm.build(cfg.replace(remat=remat, hidden_dropout=drop, attn_dropout=drop), impl=impl,
+                         seed=0, train=True)
+            g, p, rest = nnx.split(m, nnx.Param, ...)
+            f = jax.jit(jax.value_and_grad(lambda p: nnx.merge(g, p, rest, copy=drop > 0).loss(batch)[0]))
+            losses[remat, drop] = f(p)
+    for drop in (0.0, 0.1):
+        np.testing.assert_allclose(losses[False, drop][0], losses[True, drop][0], rtol=1e-6)
+        _close(losses[False, drop][1], losses[True, drop][1], rtol=1e-5, atol=1e-7)
+    assert float(losses[True, 0.0][0]) != float(losses[True, 0.1][0])
+
+
 def test_bert_padding_mask_changes_only_padded_view():
     cfg, ours, twin = _twins("bert")
     ours.eval(), twin.eval()

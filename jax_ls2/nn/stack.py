@@ -24,9 +24,13 @@ def remat_call(layer, fn, *args):
     def pure(state, *args):
         m = nnx.merge(graphdef, state)
         out = fn(m, *args)
-        return out, nnx.state(m)
-    out, state = jax.checkpoint(pure)(state, *args)
-    nnx.update(layer, state)
+        # Only the variables the call changed (dropout RNG counters) go back, so a layer
+        # run without dropout mutates nothing.
+        before = {k: v.get_raw_value() for k, v in nnx.to_flat_state(state)}
+        changed = [(k, v) for k, v in nnx.to_flat_state(nnx.state(m)) if v.get_raw_value() is not before[k]]
+        return out, nnx.from_flat_state(changed)
+    out, changed = jax.checkpoint(pure)(state, *args)
+    nnx.update(layer, changed)
     return out
 
 
