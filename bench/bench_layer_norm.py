@@ -49,8 +49,9 @@ def run(rows: Rows, dtypes, reps: int):
 
             def vjp_of(f):
                 def run_both(x, r, g, b, dy):
-                    _, pull = jax.vjp(lambda x, g, b: f(x, g, b), x, g, b)
-                    return pull(dy)
+                    # y is returned too: an unused forward output may be removed by XLA.
+                    y, pull = jax.vjp(lambda x, g, b: f(x, g, b), x, g, b)
+                    return y, pull(dy)
                 return run_both
 
             # Backward alone: the pullbacks (holding the forward's residuals) are made
