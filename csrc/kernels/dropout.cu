@@ -21,8 +21,15 @@ namespace jax_ls2 {
 namespace {
 
 constexpr int kMaxThreads = 512;
+// Rows each thread loads before computing. Kernels streaming one input (activation
+// forward, bias+dropout+residual backward) hold twice as many rows as those streaming
+// two, so both keep about the same bytes in flight per thread; at 80-128 registers a
+// thread, occupancy is too low to hide DRAM latency otherwise.
 constexpr int kRowsInFlight = 4;
 enum Kind : int { kBdrFwd = 0, kBdrBwd = 1, kActFwd = 2, kActBwd = 3 };
+constexpr int RowsInFlight(int kind) {
+  return kind == kBdrBwd || kind == kActFwd ? 2 * kRowsInFlight : kRowsInFlight;
+}
 
 template <int ACT>
 __device__ __forceinline__ float Act(float v) {
@@ -82,7 +89,7 @@ struct KernelArgs {
 
 template <typename T, int VEC, int KIND, int ACT, bool DROP>
 __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
-  constexpr int U = kRowsInFlight;
+  constexpr int U = RowsInFlight(KIND);
   constexpr bool kBwd = KIND == kBdrBwd || KIND == kActBwd;
   constexpr bool kIn1 = KIND == kBdrFwd || KIND == kActBwd;
   constexpr bool kBias = KIND != kBdrBwd;
