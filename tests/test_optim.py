@@ -219,6 +219,21 @@ def test_stochastic_rounding_is_unbiased(dtype):
     assert np.mean(np.abs(near - xs)) > 10 * np.mean(err)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_rounding_edges(dtype):
+    finfo = jnp.finfo(dtype)
+    big = float(finfo.max)
+    x = jnp.asarray([big, -big, big * (1 + 2.0 ** -12), 1.0, -0.5, 0.0, np.inf, -np.inf, np.nan],
+                    jnp.float32)
+    for k in range(64):
+        bits = _reference.sr_bits(jnp.arange(x.size, dtype=jnp.uint32), jnp.asarray([k, 1, 2, 0], jnp.uint32))
+        r = np.asarray(_reference.round_stochastic(x, dtype, bits).astype(jnp.float32))
+        # finite values stay finite, exactly representable ones stay exact
+        assert np.all(np.isfinite(r[:6])), r
+        np.testing.assert_array_equal(r[[0, 1, 3, 4, 5]], np.asarray(x)[[0, 1, 3, 4, 5]])
+        assert r[6] == np.inf and r[7] == -np.inf and np.isnan(r[8])
+
+
 def test_stochastic_rounding_keeps_small_updates():
     """bf16 params without master: updates far below half an ulp vanish with rounding
     to nearest, while stochastic rounding moves the params by the right amount on average."""

@@ -46,11 +46,19 @@ template <typename T> __device__ __forceinline__ T FromBits16(uint16_t b);
 template <> __device__ __forceinline__ __half FromBits16<__half>(uint16_t b) { return __ushort_as_half(b); }
 template <> __device__ __forceinline__ __nv_bfloat16 FromBits16<__nv_bfloat16>(uint16_t b) { return __ushort_as_bfloat16(b); }
 
-// Rounds x to T up or down with probability proportional to proximity (unbiased);
-// u = (h >> 8) * 2^-24 and x goes up iff u < (|x| - |lo|) / (|hi| - |lo|).
+// Rounds x to T up or down with probability proportional to proximity (unbiased).
+// bfloat16: the top half of the float32 bits after adding the low 16 bits of h (a value
+// that would round to inf is truncated instead). float16: u = (h >> 8) * 2^-24 and x
+// goes up iff u < (|x| - |lo|) / (|hi| - |lo|).
 template <typename T>
 __device__ __forceinline__ T RoundStochastic(float x, uint32_t h) {
   if (!isfinite(x)) return FromFloat<T>(x);
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const uint32_t bits = __float_as_uint(x);
+    uint32_t r = (bits + (h & 0xFFFFu)) >> 16;
+    if ((r & 0x7F80u) == 0x7F80u) r = bits >> 16;
+    return FromBits16<T>(static_cast<uint16_t>(r));
+  }
   uint16_t b = Bits16(FromFloat<T>(x));
   float lo = ToFloat(FromBits16<T>(b));
   if (fabsf(lo) > fabsf(x)) {

@@ -58,9 +58,17 @@ def _bits_to_f32(b: jax.Array, dtype) -> jax.Array:
 def round_stochastic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     """float32 `x` rounded to float16/bfloat16 `dtype`, up with probability
     (|x| - |lo|) / (|hi| - |lo|) where lo, hi are the neighbours towards and away
-    from zero; u = (bits >> 8) * 2^-24 and x goes up iff u < that fraction."""
+    from zero. bfloat16: the top 16 bits of x's bits plus the low 16 of `bits` (a finite
+    value that would become inf is truncated instead); float16: u = (bits >> 8) * 2^-24
+    and x goes up iff u < that fraction."""
     dtype = jnp.dtype(dtype)
     near = x.astype(dtype)
+    if dtype == jnp.dtype(jnp.bfloat16):
+        xb = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        up = (xb + (bits & np.uint32(0xFFFF))) >> np.uint32(16)
+        up = jnp.where((up & np.uint32(0x7F80)) == np.uint32(0x7F80), xb >> np.uint32(16), up)
+        out = jax.lax.bitcast_convert_type(up.astype(jnp.uint16), dtype)
+        return jnp.where(jnp.isfinite(x), out, near)
     b = jax.lax.bitcast_convert_type(near, jnp.uint16)
     lo = _bits_to_f32(b, dtype)
     down = jnp.abs(lo) > jnp.abs(x)
