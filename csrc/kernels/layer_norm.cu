@@ -58,6 +58,7 @@ __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(
 template <typename T, int VEC, int ELEMS, bool RES>
 __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC;
+  using PackT = Pack<T, VEC>;
   __shared__ float scratch[64 * 32];
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < a.rows;
@@ -65,25 +66,27 @@ __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
   const int64_t off = (valid ? row : 0) * a.hidden;
   const T* x = static_cast<const T*>(a.x) + off;
 
-  float v[ITEMS][VEC];
+  // The row stays in registers as raw packs (half the registers of floats for 16-bit
+  // types, so more rows in flight per SM); values are converted where used. With a
+  // residual the packs hold x + residual rounded to T, which is also the `sum` output.
+  PackT v[ITEMS];
   float s = 0.f, unused = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int col = (i * blockDim.x + threadIdx.x) * VEC;
     if (valid && col < H) {
-      LoadFloats<T, VEC>(x + col, v[i]);
+      v[i] = *reinterpret_cast<const PackT*>(x + col);
       if constexpr (RES) {
-        float r[VEC];
-        LoadFloats<T, VEC>(static_cast<const T*>(a.residual) + off + col, r);
+        const PackT r = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.residual) + off + col);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[i][j] = RoundTo<T>(v[i][j] + r[j]);
-        StoreFloats<T, VEC>(static_cast<T*>(a.sum) + off + col, v[i]);
+        for (int j = 0; j < VEC; ++j) v[i].v[j] = FromFloat<T>(ToFloat(v[i].v[j]) + ToFloat(r.v[j]));
+        *reinterpret_cast<PackT*>(static_cast<T*>(a.sum) + off + col) = v[i];
       }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) s += v[i][j];
+      for (int j = 0; j < VEC; ++j) s += ToFloat(v[i].v[j]);
     } else {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
+      for (int j = 0; j < VEC; ++j) v[i].v[j] = FromFloat<T>(0.f);
     }
   }
   RowSum2(s, unused, scratch);
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
     if (valid && col < H) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = v[i][j] - mean;
+        const float d = ToFloat(v[i].v[j]) - mean;
         ss += d * d;
       }
     }
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(1024) LayerNormFwdKernel(LayerNormFwdArgs a) {
       LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, g);
       LoadFloats<T, VEC>(static_cast<const T*>(a.beta) + col, b);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = (v[i][j] - mean) * rstd * g[j] + b[j];
+      for (int j = 0; j < VEC; ++j) o[j] = (ToFloat(v[i].v[j]) - mean) * rstd * g[j] + b[j];
       StoreFloats<T, VEC>(y + col, o);
     }
   }
