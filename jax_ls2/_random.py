@@ -37,7 +37,8 @@ def seed_words(key: jax.Array) -> jax.Array:
     return jnp.concatenate([data[:2], jnp.zeros((1,), jnp.uint32)])
 
 
-def _mix32(x):
+def mix32(x):
+    """The 32-bit integer finaliser shared with the CUDA kernels (Mix32 in common.cuh)."""
     x = x ^ (x >> 16)
     x = x * np.uint32(0x7FEB352D)
     x = x ^ (x >> 15)
@@ -51,6 +52,6 @@ def keep_mask(seed: jax.Array, shape, threshold: int) -> jax.Array:
     n = int(np.prod(shape, dtype=np.int64))
     g = jnp.arange(n, dtype=jnp.uint32) + seed[2]
     pair = g >> 1
-    h = _mix32(_mix32((pair * np.uint32(0x9E3779B1)) ^ seed[0]) ^ seed[1])
+    h = mix32(mix32((pair * np.uint32(0x9E3779B1)) ^ seed[0]) ^ seed[1])
     u = jnp.where((g & 1) == 1, h >> 16, h & np.uint32(0xFFFF))
     return (u >= np.uint32(threshold)).reshape(shape)

@@ -15,26 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ls2._random import mix32
 from jax_ls2.optim import _abi as A
 from jax_ls2.optim._layout import Layout, leaf_view
-
-_UINT16 = {jnp.dtype(jnp.float16): jnp.uint16, jnp.dtype(jnp.bfloat16): jnp.uint16}
-
-
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x846CA68B)
-    x = x ^ (x >> 16)
-    return x
 
 
 def sr_bits(flat_index: jax.Array, seed: jax.Array) -> jax.Array:
     """uint32 random bits of flat element `flat_index` for seed (k0, k1, step, _)."""
     idx = flat_index.astype(jnp.uint32)
-    salt = _mix32((seed[2] * np.uint32(0x85EBCA6B)) ^ seed[1])
-    return _mix32(_mix32((idx * np.uint32(0x9E3779B1)) ^ seed[0]) ^ salt)
+    salt = mix32((seed[2] * np.uint32(0x85EBCA6B)) ^ seed[1])
+    return mix32(mix32((idx * np.uint32(0x9E3779B1)) ^ seed[0]) ^ salt)
 
 
 def _bits_to_f32(b: jax.Array, dtype) -> jax.Array:
