@@ -27,7 +27,7 @@ enum LeafFlags : uint8_t { kDecay = 1, kAligned = 2 };
 
 // Hyper-parameter slots of the f32 `hp` device vector (written by jax_ls2/optim/_kernels.py).
 enum Hp : int {
-  kLr = 0, kB1, kB2, kOneMinusB1, kOneMinusB2, kEps, kEpsRoot, kWd, kBc1, kBc2,
+  kLr = 0, kB1, kB2, kOneMinusB1, kOneMinusB2, kEps, kEpsRoot, kWd, kInvBc1, kInvBc2,
   kInvScale, kMaxNorm, kGradMult, kHpSize = 16
 };
 

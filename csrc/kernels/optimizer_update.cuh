@@ -26,7 +26,7 @@ static_assert(kGroupsPerChunk * kGroupStride == kChunk, "kChunk must be a multip
 static_assert(kPad % kGroup == 0, "flat offsets must keep groups of the state buffers 16-byte aligned");
 
 struct Scalars {
-  float lr, b1, b2, omb1, omb2, eps, eps_root, wd, bc1, bc2, gscale, norm, max_norm;
+  float lr, b1, b2, omb1, omb2, eps, eps_root, wd, inv_bc1, inv_bc2, gscale, norm, max_norm;
   bool clip;
 };
 
@@ -39,8 +39,8 @@ __device__ __forceinline__ float Step(const Scalars& s, int algo, int flags, boo
   if (algo == kAdam) {
     m = __fadd_rn(__fmul_rn(s.omb1, g), __fmul_rn(s.b1, m));
     v = __fadd_rn(__fmul_rn(s.omb2, __fmul_rn(g, g)), __fmul_rn(s.b2, v));
-    const float mhat = __fdiv_rn(m, s.bc1);
-    const float vhat = __fdiv_rn(v, s.bc2);
+    const float mhat = __fmul_rn(m, s.inv_bc1);
+    const float vhat = __fmul_rn(v, s.inv_bc2);
     u = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(__fadd_rn(vhat, s.eps_root)), s.eps));
   } else if (flags & kHasMu) {
     m = __fadd_rn(g, __fmul_rn(s.b1, m));
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, kUpdateMinBlocks) UpdateKernel(const
   const float* hp = a.hp;
   Scalars s;
   s.lr = hp[kLr]; s.b1 = hp[kB1]; s.b2 = hp[kB2]; s.omb1 = hp[kOneMinusB1]; s.omb2 = hp[kOneMinusB2];
-  s.eps = hp[kEps]; s.eps_root = hp[kEpsRoot]; s.wd = hp[kWd]; s.bc1 = hp[kBc1]; s.bc2 = hp[kBc2];
+  s.eps = hp[kEps]; s.eps_root = hp[kEpsRoot]; s.wd = hp[kWd]; s.inv_bc1 = hp[kInvBc1]; s.inv_bc2 = hp[kInvBc2];
   s.gscale = __fmul_rn(hp[kInvScale], hp[kGradMult]);
   s.max_norm = hp[kMaxNorm];
   s.norm = a.ctl ? a.ctl[0] : 0.f;

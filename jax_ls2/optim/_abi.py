@@ -2,7 +2,7 @@
 ``hp`` vector, mode bits of the ``flags`` attribute and algorithm codes."""
 
 # Hp: slots of the (HP_SIZE,) float32 hyper-parameter vector.
-LR, B1, B2, ONE_MINUS_B1, ONE_MINUS_B2, EPS, EPS_ROOT, WD, BC1, BC2, INV_SCALE, MAX_NORM, GRAD_MULT = range(13)
+LR, B1, B2, ONE_MINUS_B1, ONE_MINUS_B2, EPS, EPS_ROOT, WD, INV_BC1, INV_BC2, INV_SCALE, MAX_NORM, GRAD_MULT = range(13)
 
 # Algo
 ADAM, SGD = 0, 1

@@ -174,8 +174,10 @@ def _hyper(cfg: Config, state: FusedState, count_inc) -> jax.Array:
     vals[A.EPS] = cfg.eps
     vals[A.EPS_ROOT] = cfg.eps_root
     vals[A.WD] = cfg.weight_decay if cfg.weight_decay is not None else 0.0
-    vals[A.BC1] = bc1
-    vals[A.BC2] = bc2
+    # Reciprocals of the bias corrections: the kernel multiplies by them instead of
+    # dividing every element (within an ulp of optax's division).
+    vals[A.INV_BC1] = jnp.float32(1) / jnp.asarray(bc1, jnp.float32)
+    vals[A.INV_BC2] = jnp.float32(1) / jnp.asarray(bc2, jnp.float32)
     vals[A.INV_SCALE] = 1.0 / state.loss_scale
     vals[A.MAX_NORM] = cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0
     vals[A.GRAD_MULT] = 1.0

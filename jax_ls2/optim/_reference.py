@@ -92,7 +92,7 @@ def _step(hp, algo, flags, decay, g, p, m, v, clip_on, norm):
     if algo == A.ADAM:
         m = hp[A.ONE_MINUS_B1] * g + hp[A.B1] * m
         v = hp[A.ONE_MINUS_B2] * (g * g) + hp[A.B2] * v
-        u = (m / hp[A.BC1]) / (jnp.sqrt(v / hp[A.BC2] + hp[A.EPS_ROOT]) + hp[A.EPS])
+        u = (m * hp[A.INV_BC1]) / (jnp.sqrt(v * hp[A.INV_BC2] + hp[A.EPS_ROOT]) + hp[A.EPS])
     elif flags & A.HAS_MU:
         m = g + hp[A.B1] * m
         u = g + hp[A.B1] * m if flags & A.NESTEROV else m
