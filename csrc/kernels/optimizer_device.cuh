@@ -90,7 +90,7 @@ __device__ __forceinline__ void DispatchType(uint8_t code, Fn&& fn) {
 }
 
 
-int SmCount() {
+[[maybe_unused]] int SmCount() {
   static const int count = [] {
     int dev = 0, n = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||

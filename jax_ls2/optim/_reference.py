@@ -5,7 +5,7 @@ without the CUDA kernels.
 Per element, with ``gscale = inv_scale * grad_mult``::
 
     g  = grad * gscale;   g = g / norm * max_norm   if clipping and not norm < max_norm
-    Adam: m = (1-b1) g + b1 m;  v = (1-b2) g^2 + b2 v;  u = (m/bc1) / (sqrt(v/bc2 + eps_root) + eps)
+    Adam: m = (1-b1) g + b1 m;  v = (1-b2) g^2 + b2 v;  u = (m * (1/bc1)) / (sqrt(v * (1/bc2) + eps_root) + eps)
     SGD:  m = g + b1 m;  u = g + b1 m (nesterov) or m;   u = g without momentum
     u += wd * p   (leaves flagged for decay);   d = u * (-lr);   p' = p + d
 """
