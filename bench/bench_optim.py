@@ -97,7 +97,7 @@ MODES = {  # name: (param dtype, fused kwargs, bytes/param of the fused update)
 }
 
 
-def bench_update(rows, shapes, reps, k):
+def bench_update(rows, shapes, reps, k, flush):
     n = sum(int(np.prod(s)) for s in shapes)
     shape_s = f"bert_base_{len(shapes)}leaves_{n}"
     for mode, (dt, kw, bpp) in MODES.items():
@@ -127,9 +127,10 @@ def bench_update(rows, shapes, reps, k):
             rows.add(op=f"adamw_update[{b}B/param]", shape=shape_s, dtype=mode, **{"pass": "update"}, impl=impl,
                      ms_median=med, ms_p20=p20, ms_p80=p80, gbytes=b * n / 1e9,
                      speedup_vs_xla=round(base / med, 3))
+        flush()
 
 
-def bench_train(rows, batch, seq, reps, preset="base"):
+def bench_train(rows, batch, seq, reps, flush, preset="base"):
     from flax import nnx
     import flax_models as fm
     from flax_models.data import make_batch
@@ -179,6 +180,7 @@ def bench_train(rows, batch, seq, reps, preset="base"):
             rows.add(op=f"bert_update_share[{bpp}B/param]", shape=shape_s, dtype=mode, **{"pass": "share"},
                      impl=f"{name}:x_floor={share / floor:.3f}", ms_median=share, gbytes=bpp * n / 1e9,
                      speedup_vs_xla=round((res["optax"][0] - res["grads_only"][0]) / share, 3))
+        flush()
 
 
 def main(argv=None):
@@ -192,19 +194,27 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="a tiny pytree (smoke test on the CPU)")
     args = ap.parse_args(argv)
     rows = Rows()
+    printed = []
+
+    def flush():
+        """Writes the CSV so far and prints the rows not printed yet (a time limit that
+        stops the run keeps what was measured)."""
+        rows.write(os.path.join(args.out, "bench_optim.csv"))
+        if not printed:
+            print(f"{'op':<30}{'dtype':<6}{'impl':<26}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x optax':>9}")
+        for r in rows.rows[len(printed):]:
+            print(f"{r['op']:<30}{r['dtype']:<6}{r['impl']:<26}{r['ms_median']:>9}{r['gbps']:>9}"
+                  f"{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>9}", flush=True)
+            printed.append(r)
+
     parts = args.parts.split(",")
     if "update" in parts:
         shapes = bert_base_shapes(vocab=300, hidden=16, layers=2, ffn=64, max_pos=32) if args.small \
             else bert_base_shapes()
-        bench_update(rows, shapes, args.reps, args.k)
+        bench_update(rows, shapes, args.reps, args.k, flush)
     if "train" in parts:
-        bench_train(rows, args.batch, args.seq, args.reps, preset="tiny" if args.small else "base")
-    rows.write(os.path.join(args.out, "bench_optim.csv"))
-    print(f"{'op':<30}{'dtype':<6}{'impl':<26}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'x optax':>9}")
-    for r in rows.rows:
-        print(f"{r['op']:<30}{r['dtype']:<6}{r['impl']:<26}{r['ms_median']:>9}{r['gbps']:>9}"
-              f"{r['pct_copy_bw']:>7}{str(r['speedup_vs_xla']):>9}")
-
+        batch, seq = (2, 32) if args.small else (args.batch, args.seq)
+        bench_train(rows, batch, seq, args.reps, flush, preset="tiny" if args.small else "base")
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,7 @@ def device_time(prog, arg_sets, runs: int = 5):
 
 
 LAST_DEVICE_MS = {}
+ONLY: set = set()  # "op:pass" pairs to time; empty: all
 
 
 def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int = 3, pipeline: int = 4):
@@ -143,7 +144,10 @@ class Rows:
 def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: Callable, xla: Callable,
             arg_sets, reps: int = 60, xla_sets=None):
     """Times ours and xla on the same inputs (or on `xla_sets` when the XLA side needs
-    its own, e.g. its own saved residuals) and records both rows with the speedup."""
+    its own, e.g. its own saved residuals) and records both rows with the speedup.
+    Skipped (returns None) when --only names other "op:pass" pairs."""
+    if ONLY and f"{op}:{pass_}" not in ONLY:
+        return None
     mx = time_fn(xla, arg_sets if xla_sets is None else xla_sets, reps)
     dx = LAST_DEVICE_MS.get("ms")
     mo = time_fn(ours, arg_sets, reps)
@@ -168,7 +172,9 @@ def op_bench_main(csv_name: str, run: Callable, default_dtypes: str = "bfloat16,
     p.add_argument("--out", default="bench/results")
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default=default_dtypes)
+    p.add_argument("--only", default="", help='comma-separated "op:pass" pairs, e.g. layer_norm:fwd')
     a = p.parse_args()
+    ONLY.update(x for x in a.only.split(",") if x)
     rows = Rows()
     run(rows, [jax.numpy.dtype(d) for d in a.dtypes.split(",")], a.reps)
     rows.write(os.path.join(a.out, csv_name))

@@ -3,7 +3,7 @@
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sanitize|models]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS, and *_TIMEOUT limits in seconds.
+# MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
@@ -62,7 +62,9 @@ for step in $STEPS; do
           *) args="" ;;
         esac
         t0=$(date +%s)
-        if timeout ${BENCH_TIMEOUT:-300} $PY -m bench.$name --out "$OUT" $args >"$OUT/$name.log" 2>&1; then
+        limit=${BENCH_TIMEOUT:-300}
+        [ "$name" = bench_optim ] && limit=${OPTIM_TIMEOUT:-$limit}
+        if timeout $limit $PY -m bench.$name --out "$OUT" $args >"$OUT/$name.log" 2>&1; then
           summary+=("$name: ok ($(( $(date +%s) - t0 )) s)")
         else
           summary+=("$name: FAILED ($(( $(date +%s) - t0 )) s), see $name.log"); tail -5 "$OUT/$name.log"

@@ -65,6 +65,20 @@ inline void PoisonOutputs(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& out,
   PoisonOutputs(stream, rest...);
 }
 
+// Streaming multiprocessors of the current device (132 when it cannot be queried).
+inline int SmCount() {
+  static const int count = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();  // not the caller's error
+      n = 0;
+    }
+    return n > 0 ? n : 132;
+  }();
+  return count;
+}
+
 // Number of rows when the last dimension is the row length.
 inline int64_t LeadingCount(const ffi::AnyBuffer& buf) {
   auto dims = buf.dimensions();

@@ -2,7 +2,8 @@
 //
 // One block per row. Pass 1 streams the row once (16-byte loads after a scalar
 // head that reaches alignment) keeping a per-thread online (max, sum of exp) and
-// the plain sum of logits; the block merges them into the log-sum-exp. The loss
+// the plain sum of logits; the block merges them into the log-sum-exp (fp32 logits:
+// the max only, then a second sweep sums exp(x - max), see kOnline). The loss
 //   lse - (1 - eps) * x[label] - eps * mean(x) + z * lse^2
 // is written per row. With a gradient output, pass 2 writes
 //   scale * (softmax * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab)
@@ -34,7 +35,15 @@ constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
 constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
 
-// Folds values v into the running (m, d = sum exp(x - m)) and the plain sum sx.
+// 16-bit logits keep an online (max, sum of exp) in one read of the row. fp32 logits
+// take the row max first and then sum exp(x - max) in a second sweep: every online
+// rescaling costs up to an ulp of the sum, and a few of them per thread plus the block
+// merges put the fp32 softmax several ulps off, past the error of a two-pass softmax.
+template <typename T>
+constexpr bool kOnline = !std::is_same_v<T, float>;
+
+// Folds values v into the running (m, d = sum exp(x - m)) and the plain sum sx (the
+// max and sx only, for fp32).
 template <typename T, int N>
 __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float& d, float& sx) {
   float lm = v[0];
@@ -42,6 +51,10 @@ __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float&
   for (int j = 0; j < N; ++j) {
     lm = fmaxf(lm, v[j]);
     sx += v[j];
+  }
+  if constexpr (!kOnline<T>) {
+    m = fmaxf(m, lm);
+    return;
   }
   if (lm > m) {
     d *= ExpShifted<T>(m - lm);  // m = -inf: d is 0 and stays 0
@@ -54,6 +67,10 @@ __device__ __forceinline__ void Accumulate(const float (&v)[N], float& m, float&
 
 template <typename T>
 __device__ __forceinline__ void Merge(float& m, float& d, float m2, float d2) {
+  if constexpr (!kOnline<T>) {
+    m = fmaxf(m, m2);
+    return;
+  }
   const float nm = fmaxf(m, m2);
   if (nm == -INFINITY) return;
   d = d * ExpShifted<T>(m - nm) + d2 * ExpShifted<T>(m2 - nm);
@@ -88,6 +105,21 @@ __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float
     sx += __shfl_xor_sync(0xffffffffu, sx, o);
     Merge<T>(m, d, m2, d2);
   }
+}
+
+// Block-wide sum; every thread gets the result. Starts with a barrier, so sh may
+// still be in use by the caller's previous reduction.
+__device__ __forceinline__ float BlockSum(float v, float* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  v = lane < nw ? sh[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 template <typename T, int VEC, bool CACHE, bool GRAD>
@@ -156,6 +188,19 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     Accumulate<T>(v, m, d, sx);
   }
   BlockReduce<T>(m, d, sx, sh);
+  if constexpr (!kOnline<T>) {
+    if (m != -INFINITY) {
+      float s = 0.f;
+      for (int64_t c = threadIdx.x; c < head; c += bd) s += expf(ToFloat(x[c]) - m);
+      for (int64_t c = body_end + threadIdx.x; c < V; c += bd) s += expf(ToFloat(x[c]) - m);
+      for (int64_t k = threadIdx.x; k < nvec; k += bd) {
+        const PackT pk = CACHE ? cache[k] : xb[k];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s += expf(ToFloat(pk.v[j]) - m);
+      }
+      d = BlockSum(s, sh);
+    }
+  }
   const float lse = m + logf(d);
   const bool valid = label >= 0 && label < V;
   const float xl = valid ? ToFloat(x[valid ? label : 0]) : NAN;
@@ -174,7 +219,8 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     // (half an ulp of ~log(vocab)) would otherwise shift every probability alike.
     const float inv_d = 1.f / d;
     auto grad_of = [&](float v, int64_t c) {
-      const float p = ExpShifted<T>(v - m) * inv_d;
+      // fp32 divides (one rounding, as XLA's softmax); 16-bit output hides the second.
+      const float p = kOnline<T> ? ExpShifted<T>(v - m) * inv_d : ExpShifted<T>(v - m) / d;
       return s * (p * pz - (c == label ? on + off : off));
     };
     for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));

@@ -224,17 +224,6 @@ __global__ void __launch_bounds__(512) SumPartialsKernel(const float* partials, 
   }
 }
 
-int SmCount() {
-  static int count = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) !=
-                                                   cudaSuccess)
-      n = 132;
-    return n > 0 ? n : 132;
-  }();
-  return count;
-}
-
 bool Aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 struct Shape {

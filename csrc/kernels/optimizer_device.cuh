@@ -89,21 +89,6 @@ __device__ __forceinline__ void DispatchType(uint8_t code, Fn&& fn) {
   }
 }
 
-
-[[maybe_unused]] int SmCount() {
-  static const int count = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      cudaGetLastError();  // not the caller's error
-      n = 0;
-    }
-    return n > 0 ? n : 132;
-  }();
-  return count;
-}
-
-
 }  // namespace
 }  // namespace optim
 }  // namespace jax_ls2
