@@ -1,10 +1,8 @@
 // LayerNorm forward/backward over the last axis, fp32 statistics.
 //
 // Register path (hidden <= 16384 forward, <= 8192 backward): a "row group" of
-// blockDim.x threads owns one row and holds it in registers (16 to 64 elements per
-// thread, 16-byte accesses when hidden allows); blockDim.y row groups per block.
-// The forward is persistent too and loads a row group's next row while it reduces
-// and writes the current one.
+// blockDim.x threads owns one row and holds it in registers (32 elements per
+// thread with 16-byte accesses, else 16); blockDim.y row groups per block.
 // The backward is persistent over rows: each row group keeps its dgamma/dbeta
 // partial sums in registers, the block folds its row groups in shared memory and
 // writes one partial row per block; a second kernel sums the partials (fixed
@@ -13,19 +11,17 @@
 #include "common.cuh"
 #include "kernels/layer_norm.h"
 
-#include <cstdlib>
-#include <string>
-
 namespace jax_ls2 {
 namespace {
 
-// Forward elements per thread held in registers: 32 when that lets one warp own a
-// row (reductions by shuffles only, no barriers), else 16 (more threads per row, fewer
-// registers, higher occupancy); 16 with scalar accesses (odd hidden sizes).
+// Forward elements per thread held in registers: 32 with 16-byte accesses, 16 with
+// scalar ones (odd hidden sizes). Measured on H200 (bf16, 768 to 4096 wide rows), 32
+// beat 16 by up to 25% at hidden 4096 and 64 lost at every size, as did a persistent
+// variant that loaded each row group's next row while reducing the current one.
 constexpr int kFwdWideElems = 32;
 constexpr int kFwdElems = 16;
-// A row up to 16384 elements stays in registers; the block size bound that follows
-// lets ptxas give the wider variants the registers they need.
+// A row of up to 16384 elements stays in registers; bounding the block size by it
+// lets ptxas give the 32-element variant the registers it needs.
 constexpr int FwdMaxThreads(int elems) { return 16384 / elems; }
 constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
@@ -63,94 +59,73 @@ template <typename T>
 __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
 
 // ------------------------------------------------------------------ forward
-// Persistent over rows: row group g of block b handles rows b * ry + g, then every
-// gridDim.x * ry further. With PREFETCH the loads of the next row are issued before
-// the current row is reduced and written, so a row group keeps a row's bytes in
-// flight through its reductions and stores; without it, the grid covers the rows once.
-template <typename T, int VEC, int ELEMS, bool RES, bool PREFETCH>
+template <typename T, int VEC, int ELEMS, bool RES>
 __global__ void __launch_bounds__(FwdMaxThreads(ELEMS)) LayerNormFwdKernel(LayerNormFwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC;
   using PackT = Pack<T, VEC>;
   __shared__ float scratch[64 * 32];
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < a.rows;
   const int H = (int)a.hidden;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.y;
+  const int64_t off = (valid ? row : 0) * a.hidden;
+  const T* x = static_cast<const T*>(a.x) + off;
 
   // The row stays in registers as raw packs (half the registers of floats for 16-bit
-  // types, so more rows in flight per SM); values are converted where used.
-  PackT lx[ITEMS], lr[RES ? ITEMS : 1];
-  auto load = [&](int64_t row) {
-    if (row >= a.rows) return;
-    const T* x = static_cast<const T*>(a.x) + row * a.hidden;
+  // types, so more rows in flight per SM); values are converted where used. With a
+  // residual the packs hold x + residual rounded to T, which is also the `sum` output.
+  PackT v[ITEMS];
+  float s = 0.f, unused = 0.f;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int col = (i * blockDim.x + threadIdx.x) * VEC;
-      if (col < H) {
-        lx[i] = *reinterpret_cast<const PackT*>(x + col);
-        if constexpr (RES) lr[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.residual) + row * a.hidden + col);
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (valid && col < H) {
+      v[i] = *reinterpret_cast<const PackT*>(x + col);
+      if constexpr (RES) {
+        const PackT r = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.residual) + off + col);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[i].v[j] = FromFloat<T>(ToFloat(v[i].v[j]) + ToFloat(r.v[j]));
+        *reinterpret_cast<PackT*>(static_cast<T*>(a.sum) + off + col) = v[i];
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s += ToFloat(v[i].v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[i].v[j] = FromFloat<T>(0.f);
+    }
+  }
+  RowSum2(s, unused, scratch);
+  const float mean = s / H;
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (valid && col < H) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = ToFloat(v[i].v[j]) - mean;
+        ss += d * d;
       }
     }
-  };
-
-  int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if constexpr (PREFETCH) load(row);
-  // The trip count is the same for the whole block (RowSum2 synchronises it).
-  for (int64_t first = (int64_t)blockIdx.x * blockDim.y; first < a.rows; first += stride, row += stride) {
-    const bool valid = row < a.rows;
-    const int64_t off = (valid ? row : 0) * a.hidden;
-    if constexpr (!PREFETCH) load(row);
-    PackT v[ITEMS];
-    float s = 0.f, unused = 0.f;
+  }
+  RowSum2(ss, unused, scratch);
+  const float rstd = rsqrtf(ss / H + a.eps);
+  if (!valid) return;
+  T* y = static_cast<T*>(a.y) + off;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int col = (i * blockDim.x + threadIdx.x) * VEC;
-      v[i] = lx[i];
-      if (valid && col < H) {
-        if constexpr (RES) {
-          // The packs then hold x + residual rounded to T, which is also the `sum` output.
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    if (col < H) {
+      float g[VEC], b[VEC], o[VEC];
+      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, g);
+      LoadFloats<T, VEC>(static_cast<const T*>(a.beta) + col, b);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) v[i].v[j] = FromFloat<T>(ToFloat(v[i].v[j]) + ToFloat(lr[i].v[j]));
-          *reinterpret_cast<PackT*>(static_cast<T*>(a.sum) + off + col) = v[i];
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) s += ToFloat(v[i].v[j]);
-      }
+      for (int j = 0; j < VEC; ++j) o[j] = (ToFloat(v[i].v[j]) - mean) * rstd * g[j] + b[j];
+      StoreFloats<T, VEC>(y + col, o);
     }
-    if constexpr (PREFETCH) load(row + stride);
-    RowSum2(s, unused, scratch);
-    const float mean = s / H;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int col = (i * blockDim.x + threadIdx.x) * VEC;
-      if (valid && col < H) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float d = ToFloat(v[i].v[j]) - mean;
-          ss += d * d;
-        }
-      }
-    }
-    RowSum2(ss, unused, scratch);
-    const float rstd = rsqrtf(ss / H + a.eps);
-    if (valid) {
-      T* y = static_cast<T*>(a.y) + off;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        const int col = (i * blockDim.x + threadIdx.x) * VEC;
-        if (col < H) {
-          float g[VEC], b[VEC], o[VEC];
-          LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, g);
-          LoadFloats<T, VEC>(static_cast<const T*>(a.beta) + col, b);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] = (ToFloat(v[i].v[j]) - mean) * rstd * g[j] + b[j];
-          StoreFloats<T, VEC>(y + col, o);
-        }
-      }
-      if (threadIdx.x == 0) {
-        a.mean[row] = mean;
-        a.rstd[row] = rstd;
-      }
-    }
+  }
+  if (threadIdx.x == 0) {
+    a.mean[row] = mean;
+    a.rstd[row] = rstd;
   }
 }
 
@@ -380,86 +355,33 @@ int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
   return kVec;
 }
 
-// Forward tuning, read once from JAX_LS2_LN_FWD (for benchmarking the variants):
-// "plain" (one pass of the grid over the rows) or "prefetch" (persistent, default), with
-// an optional ":<elements per thread>" (16, 32 or 64) overriding the choice by hidden size.
-struct FwdTuning {
-  bool prefetch = true;
-  int elems = 0;  // 0: by hidden size
-};
-const FwdTuning& GetFwdTuning() {
-  static const FwdTuning t = [] {
-    FwdTuning r;
-    const char* v = std::getenv("JAX_LS2_LN_FWD");
-    if (v == nullptr) return r;
-    const std::string s(v);
-    r.prefetch = s.rfind("plain", 0) != 0;
-    const size_t colon = s.find(':');
-    if (colon != std::string::npos) {
-      const int e = std::atoi(s.c_str() + colon + 1);
-      if (e == 16 || e == 32 || e == 64) r.elems = e;
-    }
-    return r;
-  }();
-  return t;
-}
-
-template <typename T, int VEC, int ELEMS, bool PREFETCH>
-cudaError_t LaunchFwdRegister(const LayerNormFwdArgs& a, int tpr, cudaStream_t stream) {
-  const bool res = a.residual != nullptr;
-  auto k = res ? LayerNormFwdKernel<T, VEC, ELEMS, true, PREFETCH> : LayerNormFwdKernel<T, VEC, ELEMS, false, PREFETCH>;
-  const int ry = tpr >= 128 ? 1 : 128 / tpr;
-  const int threads = tpr * ry;
-  int64_t grid = (a.rows + ry - 1) / ry;
-  if constexpr (PREFETCH) {
-    static int per_sm_cache[2][1024 / 32 + 1] = {};
-    int& per_sm = per_sm_cache[res][threads / 32];
-    if (per_sm == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, threads, 0) != cudaSuccess ||
-                        per_sm < 1)) {
-      cudaGetLastError();
-      per_sm = 1;
-    }
-    grid = std::min<int64_t>(grid, (int64_t)per_sm * SmCount());
-  }
-  k<<<(unsigned)grid, dim3(tpr, ry), 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-template <typename T, bool PREFETCH>
-cudaError_t LaunchFwdRegister(const LayerNormFwdArgs& a, int vec, int elems, cudaStream_t stream) {
-  constexpr int kVec = kPack<T>;
-  const int tpr = ThreadsPerRow(a.hidden, vec, elems, FwdMaxThreads(elems));
-  // Scalar accesses (odd hidden sizes): 16 one-element packs already fill the registers.
-  if (vec != kVec) return LaunchFwdRegister<T, 1, kFwdElems, false>(a, tpr, stream);
-  switch (elems) {
-    case 64: return LaunchFwdRegister<T, kVec, 64, PREFETCH>(a, tpr, stream);
-    case 32: return LaunchFwdRegister<T, kVec, 32, PREFETCH>(a, tpr, stream);
-    default: return LaunchFwdRegister<T, kVec, kFwdElems, PREFETCH>(a, tpr, stream);
-  }
-}
-
 }  // namespace
 
 template <typename T>
 cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.residual, a.gamma, a.beta, a.y, a.sum});
-  const FwdTuning& tune = GetFwdTuning();
-  int elems = kFwdElems;
-  if (vec > 1) {
-    if (tune.elems != 0 && ThreadsPerRow(a.hidden, vec, tune.elems, FwdMaxThreads(tune.elems)) > 0) {
-      elems = tune.elems;
-    } else if (ThreadsPerRow(a.hidden, vec, kFwdWideElems, 32) > 0) {
-      elems = kFwdWideElems;
-    }
-  }
-  if (ThreadsPerRow(a.hidden, vec, elems, FwdMaxThreads(elems)) == 0) {
-    auto k = a.residual != nullptr ? LayerNormFwdLoopKernel<T, true> : LayerNormFwdLoopKernel<T, false>;
+  const bool wide = vec > 1;
+  const int elems = wide ? kFwdWideElems : kFwdElems;
+  const int tpr = ThreadsPerRow(a.hidden, vec, elems, FwdMaxThreads(elems));
+  const bool res = a.residual != nullptr;
+  if (tpr == 0) {
+    auto k = res ? LayerNormFwdLoopKernel<T, true> : LayerNormFwdLoopKernel<T, false>;
     k<<<(unsigned)a.rows, kLoopThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
-  return tune.prefetch ? LaunchFwdRegister<T, true>(a, vec, elems, stream)
-                       : LaunchFwdRegister<T, false>(a, vec, elems, stream);
+  const int ry = tpr >= 128 ? 1 : 128 / tpr;
+  dim3 block(tpr, ry);
+  const unsigned grid = (unsigned)((a.rows + ry - 1) / ry);
+  constexpr int kVec = kPack<T>;
+  if (vec == kVec) {
+    auto k = res ? LayerNormFwdKernel<T, kVec, kFwdWideElems, true> : LayerNormFwdKernel<T, kVec, kFwdWideElems, false>;
+    k<<<grid, block, 0, stream>>>(a);
+  } else {
+    auto k = res ? LayerNormFwdKernel<T, 1, kFwdElems, true> : LayerNormFwdKernel<T, 1, kFwdElems, false>;
+    k<<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
 }
 
 template <typename T>
