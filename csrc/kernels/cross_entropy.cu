@@ -219,17 +219,9 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs 
     // (half an ulp of ~log(vocab)) would otherwise shift every probability alike.
     const float inv_d = 1.f / d;
     auto grad_of = [&](float v, int64_t c) {
-      if constexpr (kOnline<T>) {
-        const float p = ExpShifted<T>(v - m) * inv_d;
-        return s * (p * pz - (c == label ? on + off : off));
-      } else {
-        // fp32 output: expf (up to 2 ulps), the division and the two products would put
-        // the largest probabilities a few ulps off; in double the one rounding is the
-        // final one. The kernel stays memory-bound (FP64 runs at half the FP32 rate on
-        // sm_90).
-        const double p = exp((double)v - (double)m) / (double)d;
-        return (float)((double)s * (p * (double)pz - (c == label ? (double)on + off : (double)off)));
-      }
+      // fp32 divides (one rounding, as XLA's softmax); 16-bit output hides the second.
+      const float p = kOnline<T> ? ExpShifted<T>(v - m) * inv_d : ExpShifted<T>(v - m) / d;
+      return s * (p * pz - (c == label ? on + off : off));
     };
     for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
     for (int64_t c = body_end + threadIdx.x; c < V; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
