@@ -10,7 +10,8 @@ update: the update alone, K steps inside one jitted ``fori_loop`` with params an
   one fused pass), jax_ls2_std (optim.adamw update + optax.apply_updates), xla_flat (the
   same AdamW as one XLA fusion over flat fp32 buffers: a ceiling, not a usable optimizer).
 train: BERT-base (flax_models, plain layers, bf16 compute) train steps: a step returning
-  the grads without updating, an optax.adamw step and a jax_ls2 step, same run. The
+  the grads without updating, an optax.adamw step and a jax_ls2 step, same run, timed
+  in interleaved rounds (a variant timed alone first came out slower than the others). The
   update's share = step - grads-only step, reported in ms and as a multiple of the
   bytes-over-copy-bandwidth floor of the jax_ls2 mode ("x_floor" in the impl column).
 Modes: fp32 (fp32 params and moments), bf16 (bf16 params, fp32 moments, no master, stochastic rounding).
@@ -62,6 +63,32 @@ def timed(fn, args, reps, k):
         times.append((time.perf_counter() - t0) * 1e3 / k)
     t = np.asarray(times)
     return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
+
+
+def timed_interleaved(variants, reps, rounds=10):
+    """Per-step ms (median, p20, p80) of each name -> (fn, args) in `variants`, timed in
+    `rounds` rounds that each run every variant reps // rounds times, in an order that
+    rotates, so clock and memory drift over the run reach every variant alike."""
+    state = {}
+    for name, (fn, args) in variants.items():
+        args = fn(*args)  # compile + warm up
+        state[name] = jax.block_until_ready(fn(*args))
+    times = {name: [] for name in variants}
+    names = list(variants)
+    per = max(1, reps // rounds)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, args = variants[name][0], state[name]
+            for _ in range(per):
+                t0 = time.perf_counter()
+                args = jax.block_until_ready(fn(*args))
+                times[name].append((time.perf_counter() - t0) * 1e3)
+            state[name] = args
+    out = {}
+    for name, t in times.items():
+        t = np.asarray(t)
+        out[name] = (float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80)))
+    return out
 
 
 def loop(step, k):
@@ -162,13 +189,13 @@ def bench_train(rows, batch, seq, reps, flush, preset="base"):
         variants = {"grads_only": (grads_only, tx_optax),
                     "optax": (with_tx(optax_step(tx_optax)), tx_optax),
                     "jax_ls2": (with_tx(fused_step(tx)), tx)}
-        res = {}
+        runs = {}
         for name, (fn, t) in variants.items():
             p = jax.tree.map(jnp.copy, params)
-            state = t.init(p)
-            sink = jax.tree.map(jnp.zeros_like, p)
-            res[name] = timed(jax.jit(fn, donate_argnums=(0, 1, 2)), (p, state, sink), reps, 1)
-            del p, state, sink
+            runs[name] = (jax.jit(fn, donate_argnums=(0, 1, 2)), (p, t.init(p), jax.tree.map(jnp.zeros_like, p)))
+        del p
+        res = timed_interleaved(runs, reps)
+        del runs
         floor = bpp * n / (COPY_GBPS * 1e9) * 1e3
         shape_s = f"bert_{preset}_b{batch}x{seq}_{n}"
         for name, (med, p20, p80) in res.items():
