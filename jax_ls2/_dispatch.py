@@ -110,11 +110,19 @@ class FusedKernel:
         def fn(*args):
             return impl(*args)
 
+        # A seeded kernel numbers its elements by their flat index, which a shard knows
+        # only when its rows are one contiguous block: only the first leading dim may stay
+        # sharded (the others are gathered), so masks match the unsharded ones.
+        seeded = kernel._seed_index is not None
+
         def lead_spec_of(arg_shapes):
             rows = arg_shapes[kernel._rows_index]
             lead = kernel._lead([a.shape for a in arg_shapes])
             spec = tuple(rows.sharding.spec) + (None,) * (len(rows.shape) - len(rows.sharding.spec))
-            return spec[:lead], rows.shape[:lead]
+            spec = spec[:lead]
+            if seeded:
+                spec = spec[:1] + (None,) * (len(spec) - 1)
+            return spec, rows.shape[:lead]
 
         def spec_for(role, shape, lead_spec, lead_shape):
             if role.kind == ROWS:
@@ -169,11 +177,14 @@ class FusedKernel:
                 replicated.append(name)
                 return name
 
+            shared = lambda i: i == 0 or not seeded  # see lead_spec_of
+
             def mapping(role, shape):
                 if role.kind == ROWS:
-                    return tuple(f"b{i}" for i in range(lead)) + tuple(fresh() for _ in range(role.tail))
+                    return tuple(f"b{i}" if shared(i) else fresh() for i in range(lead)) + \
+                        tuple(fresh() for _ in range(role.tail))
                 if role.kind == BCAST:
-                    dims = tuple(f"b{i}" if shape[i] == lead_shape[i] and shape[i] > 1 else fresh()
+                    dims = tuple(f"b{i}" if shared(i) and shape[i] == lead_shape[i] and shape[i] > 1 else fresh()
                                  for i in range(lead))
                     return dims + tuple(fresh() for _ in range(role.tail))
                 return tuple(fresh() for _ in shape)

@@ -242,6 +242,20 @@ def test_sharded_jit_equals_unsharded_no_allgather():
     assert "all-gather" not in hlo
 
 
+@pytest.mark.parametrize("spec", [P(None, "data"), P("data", None)])
+def test_sequence_sharded_jit_gives_the_unsharded_mask(spec):
+    """Masks are a function of the global element index: sharding a leading dim other than
+    the first (sequence parallelism) must not change them."""
+    mesh = _mesh()
+    x, b, r, _ = _inputs((2, 16, 40)) if spec == P(None, "data") else _inputs((16, 3, 40))
+    key = jax.random.key(11)
+    fwd = jax.jit(lambda x, b, r: bias_dropout_residual(bias_act_dropout(x, b, activation="gelu", rate=0.5, key=key),
+                                                        b, r, rate=0.5, key=key))
+    shard = NamedSharding(mesh, spec)
+    got = fwd(jax.device_put(x, shard), jax.device_put(b, NamedSharding(mesh, P())), jax.device_put(r, shard))
+    np.testing.assert_array_equal(got, fwd(x, b, r))
+
+
 def test_shard_map():
     mesh = _mesh()
     x, b, r, dy = _inputs((16, 40))
