@@ -69,6 +69,25 @@ def device_time(prog, arg_sets, runs: int = 5):
 
 LAST_DEVICE_MS = {}
 ONLY: set = set()  # "op:pass" pairs to time; empty: all
+# Kernel-option variants timed beside the default (--variants): (label, {option: value}).
+VARIANTS: list = []
+
+
+def parse_variants(text: str) -> list:
+    """"a=1,a=2+b=1" -> [("a=1", {"a": 1}), ("a=2+b=1", {"a": 2, "b": 1})]."""
+    out = []
+    for label in filter(None, text.split(",")):
+        opts = dict(kv.split("=") for kv in label.split("+"))
+        out.append((label, {k: int(v) for k, v in opts.items()}))
+    return out
+
+
+def set_kernel_options(opts: dict):
+    if not opts:
+        return
+    from jax_ls2 import _C  # only with the CUDA extension built
+    for name, value in opts.items():
+        _C.set_kernel_option(name, value)
 
 
 def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int = 3, pipeline: int = 4):
@@ -79,7 +98,11 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int
     `pipeline` runs of it back to back and waits for the last, so the host's
     argument handling overlaps device work; sample time / (pipeline * len(arg_sets))
     is the time of one application."""
-    prog = jax.jit(lambda sets: [fn(*s) for s in sets])
+    return time_prog(jax.jit(lambda sets: [fn(*s) for s in sets]), arg_sets, reps, warmup, pipeline)
+
+
+def time_prog(prog: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int = 3, pipeline: int = 4):
+    """time_fn for a program already built from fn (prog(arg_sets) applies fn to each set)."""
     arg_sets = list(arg_sets)
     for _ in range(warmup):
         jax.block_until_ready(prog(arg_sets))
@@ -150,17 +173,26 @@ def compare(rows: Rows, op: str, shape, dtype, pass_: str, gbytes: float, ours: 
         return None
     mx = time_fn(xla, arg_sets if xla_sets is None else xla_sets, reps)
     dx = LAST_DEVICE_MS.get("ms")
-    mo = time_fn(ours, arg_sets, reps)
-    do = LAST_DEVICE_MS.get("ms")
     shape_s = "x".join(str(s) for s in shape)
     dt = np.dtype(dtype).name
-    dev_speedup = round(dx / do, 3) if dx and do else ""
     rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="xla", ms_median=mx[0], ms_p20=mx[1],
              ms_p80=mx[2], gbytes=gbytes, speedup_vs_xla=1.0, device_ms=dx or "",
              device_speedup_vs_xla=1.0 if dx else "")
-    return rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_}, impl="jax_ls2", ms_median=mo[0],
-                    ms_p20=mo[1], ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3),
-                    device_ms=do or "", device_speedup_vs_xla=dev_speedup)
+    prog = jax.jit(lambda sets: [ours(*s) for s in sets])
+    first = None
+    for label, opts in [("", {})] + VARIANTS:  # one compiled program, options read at launch
+        set_kernel_options(opts)
+        try:
+            mo = time_prog(prog, arg_sets, reps)
+        finally:
+            set_kernel_options({k: 0 for k in opts})
+        do = LAST_DEVICE_MS.get("ms")
+        row = rows.add(op=op, shape=shape_s, dtype=dt, **{"pass": pass_},
+                       impl=f"jax_ls2[{label}]" if label else "jax_ls2", ms_median=mo[0], ms_p20=mo[1],
+                       ms_p80=mo[2], gbytes=gbytes, speedup_vs_xla=round(mx[0] / mo[0], 3), device_ms=do or "",
+                       device_speedup_vs_xla=round(dx / do, 3) if dx and do else "")
+        first = first or row
+    return first
 
 
 def op_bench_main(csv_name: str, run: Callable, default_dtypes: str = "bfloat16,float16"):
@@ -173,8 +205,12 @@ def op_bench_main(csv_name: str, run: Callable, default_dtypes: str = "bfloat16,
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default=default_dtypes)
     p.add_argument("--only", default="", help='comma-separated "op:pass" pairs, e.g. layer_norm:fwd')
+    p.add_argument("--variants", default="",
+                   help='kernel options to time beside the default, e.g. "dropout_rows_in_flight=2,'
+                        'dropout_rows_in_flight=4+dropout_full_grid=1" (rows "jax_ls2[<variant>]")')
     a = p.parse_args()
     ONLY.update(x for x in a.only.split(",") if x)
+    VARIANTS.extend(parse_variants(a.variants))
     rows = Rows()
     run(rows, [jax.numpy.dtype(d) for d in a.dtypes.split(",")], a.reps)
     rows.write(os.path.join(a.out, csv_name))

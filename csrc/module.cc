@@ -1,6 +1,9 @@
 // pybind11 module jax_ls2._C: registrations() -> {target name: PyCapsule(handler)}.
 #include <pybind11/pybind11.h>
 
+#include <string>
+#include <utility>
+
 #include "registry.h"
 
 namespace py = pybind11;
@@ -14,4 +17,17 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  m.def("set_kernel_option", [](const std::string& name, int value) {
+    static const std::pair<const char*, jax_ls2::KernelOption> names[] = {
+        {"dropout_rows_in_flight", jax_ls2::kDropoutRowsInFlight},
+        {"dropout_full_grid", jax_ls2::kDropoutFullGrid},
+    };
+    for (const auto& [n, o] : names) {
+      if (name == n) {
+        jax_ls2::KernelOptions()[o].store(value);
+        return;
+      }
+    }
+    throw py::value_error("set_kernel_option: unknown option " + name);
+  }, "Benchmark aid: overrides a kernel launch choice (0 restores the built-in one).");
 }

@@ -1,6 +1,7 @@
 // Target registry: every FFI handler file registers its targets with
 // JAX_LS2_REGISTER at static-initialisation time; module.cc exposes the table.
 #pragma once
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +21,20 @@ inline std::vector<Target>& Targets() {
 struct Registrar {
   Registrar(const char* name, void* handler) { Targets().push_back({name, handler}); }
 };
+
+// Launch choices a benchmark may override from Python, through
+// jax_ls2._C.set_kernel_option(name, value); 0 everywhere means the built-in choice.
+// Read at every launch, so one compiled program can be timed under each setting.
+enum KernelOption : int {
+  kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
+  kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
+  kNumKernelOptions
+};
+inline std::atomic<int>* KernelOptions() {
+  static std::atomic<int> values[kNumKernelOptions] = {};
+  return values;
+}
+inline int GetKernelOption(KernelOption o) { return KernelOptions()[o].load(std::memory_order_relaxed); }
 
 }  // namespace jax_ls2
 

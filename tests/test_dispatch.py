@@ -42,3 +42,16 @@ def test_vmap_folds_rows_and_maps_over_batched_params():
     np.testing.assert_allclose(folded, x * w[0] * 3.0, rtol=1e-6)
     mapped = jax.vmap(lambda x, w: f(x, w, k=3.0)[0])(x, w)
     np.testing.assert_allclose(mapped, x * w[:, None, :] * 3.0, rtol=1e-6)
+
+
+def test_kernel_options_name_what_they_set():
+    """The benchmark hook: known options take a value (0 restores the built-in choice),
+    an unknown name is refused by name."""
+    import jax_ls2
+    if not jax_ls2.cuda_available():
+        pytest.skip("extension not built")
+    from jax_ls2 import _C
+    _C.set_kernel_option("dropout_rows_in_flight", 2)
+    _C.set_kernel_option("dropout_rows_in_flight", 0)
+    with pytest.raises(ValueError, match="set_kernel_option: unknown option dropout_rows"):
+        _C.set_kernel_option("dropout_rows", 2)

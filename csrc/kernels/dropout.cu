@@ -18,6 +18,7 @@
 
 #include "common.cuh"
 #include "kernels/dropout.h"
+#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
@@ -113,9 +114,8 @@ struct KernelArgs {
   float scale;
 };
 
-template <typename T, int VEC, int KIND, int ACT, bool DROP>
+template <typename T, int VEC, int KIND, int ACT, bool DROP, int U>
 __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
-  constexpr int U = RowsInFlight(KIND);
   constexpr bool kBwd = KIND == kBdrBwd || KIND == kActBwd;
   constexpr bool kIn1 = KIND == kBdrFwd || KIND == kActBwd;
   constexpr bool kBias = KIND != kBdrBwd;
@@ -231,16 +231,32 @@ struct Shape {
   int vec;
 };
 
+// Rows each thread loads before computing: the kind's default, or the benchmark
+// override (bfloat16 with 16-byte accesses only, the variants compiled for it).
+template <typename T>
+int RowsFor(int kind, int vec) {
+  const int u = GetKernelOption(kDropoutRowsInFlight);
+  if (std::is_same_v<T, __nv_bfloat16> && vec == kPack<T> && (u == 2 || u == 4 || u == 8)) return u;
+  return RowsInFlight(kind);
+}
+
+// Forward grids are one resident wave (each block strides over rows) unless the
+// benchmark override asks for one block per U * ty rows; backward grids always are one
+// wave (one partial dbias row per block).
+bool FullGrid(int kind) {
+  return (kind == kBdrFwd || kind == kActFwd) && GetKernelOption(kDropoutFullGrid) == 1;
+}
+
 // Block (tx, ty) with tx covering the column vectors (chunks of <= 512 in grid.y);
 // grid.x row-blocks, at most max_blocks.
-Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int64_t max_blocks) {
+Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int u, int64_t max_blocks) {
   const int64_t nvec = hidden / vec;
   const int tx = (int)std::min<int64_t>((nvec + 31) / 32 * 32, kMaxThreads);
   const int ty = std::max(1, kMaxThreads / tx);
   const int64_t gy = (nvec + tx - 1) / tx;
-  const int64_t per_block = (int64_t)ty * RowsInFlight(kind);
+  const int64_t per_block = (int64_t)ty * u;
   const int64_t need = (rows + per_block - 1) / per_block;
-  const int64_t resident = std::max<int64_t>(1, (int64_t)SmCount() * (2048 / (tx * ty)) / gy);
+  const int64_t resident = FullGrid(kind) ? need : std::max<int64_t>(1, (int64_t)SmCount() * (2048 / (tx * ty)) / gy);
   const int64_t gx = std::max<int64_t>(1, std::min({need, resident, max_blocks}));
   return Shape{dim3(tx, ty), dim3((unsigned)gx, (unsigned)gy), vec};
 }
@@ -257,25 +273,42 @@ int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
 // Caps grid.x at what stays resident (one wave) and launches; sh.grid.x is then
 // the number of partial rows the backward writes.
 template <typename Kernel>
-void LaunchResident(Kernel kernel, int* per_sm_cache, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+void LaunchResident(Kernel kernel, int* per_sm_cache, int kind, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
   const int threads = (int)(sh.block.x * sh.block.y);
   int& per_sm = per_sm_cache[threads / 32];  // occupancy depends only on the block size here
   if (per_sm == 0 &&
       (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || per_sm < 1))
     per_sm = 1;
-  const int64_t cap = std::max<int64_t>(1, (int64_t)per_sm * SmCount() / sh.grid.y);
-  sh.grid.x = (unsigned)std::min<int64_t>(sh.grid.x, cap);
+  if (!FullGrid(kind)) {
+    const int64_t cap = std::max<int64_t>(1, (int64_t)per_sm * SmCount() / sh.grid.y);
+    sh.grid.x = (unsigned)std::min<int64_t>(sh.grid.x, cap);
+  }
   kernel<<<sh.grid, sh.block, 0, stream>>>(k);
+}
+
+template <typename T, int KIND, int ACT, bool DROP, int U>
+void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+  constexpr int kVec = kPack<T>;
+  static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
+  if (sh.vec == kVec) {
+    LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, U>, per_sm_vec, KIND, sh, k, stream);
+  } else if constexpr (U == RowsInFlight(KIND)) {  // overrides take the 16-byte path only
+    LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP, U>, per_sm_scalar, KIND, sh, k, stream);
+  }
 }
 
 template <typename T, int KIND, int ACT, bool DROP>
 void LaunchOne(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
-  constexpr int kVec = kPack<T>;
-  static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
-  if (sh.vec == kVec)
-    LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP>, per_sm_vec, sh, k, stream);
-  else
-    LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP>, per_sm_scalar, sh, k, stream);
+  constexpr int kDefault = RowsInFlight(KIND);
+  const int u = RowsFor<T>(KIND, sh.vec);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (u != kDefault) {
+      if (u == 2) return LaunchRows<T, KIND, ACT, DROP, 2>(sh, k, stream);
+      if (u == 4) return LaunchRows<T, KIND, ACT, DROP, 4>(sh, k, stream);
+      if (u == 8) return LaunchRows<T, KIND, ACT, DROP, 8>(sh, k, stream);
+    }
+  }
+  LaunchRows<T, KIND, ACT, DROP, kDefault>(sh, k, stream);
 }
 
 template <typename T, int KIND, int ACT>
@@ -306,7 +339,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   }
   if (a.max_parts < 1) return cudaErrorInvalidValue;
   const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
-  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, std::min<int64_t>(a.max_parts, 2 * SmCount()));
+  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec), std::min<int64_t>(a.max_parts, 2 * SmCount()));
   KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
@@ -327,7 +360,7 @@ template <typename T>
 cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
-  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, INT32_MAX);
+  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec), INT32_MAX);
   KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
   LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, stream);
   return cudaGetLastError();
@@ -337,7 +370,7 @@ template <typename T>
 cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
-  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, INT32_MAX);
+  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec), INT32_MAX);
   KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
   return LaunchAct<T, kActFwd>(a.activation, sh, k, stream);
 }
