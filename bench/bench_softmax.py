@@ -16,7 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from bench.common import Rows, compare, copies_for
+from bench.common import Rows, compare, copies_for, VARIANTS, parse_variants
 from jax_ls2.ops import softmax_dropout
 
 SHAPES = [(32, 12, 512, 512), (4, 32, 2048, 2048)]
@@ -85,7 +85,9 @@ def main():
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default="bfloat16,float16")
     p.add_argument("--shapes", default="", help="e.g. '32x12x512x512,4x32x2048x2048' (default: both)")
+    p.add_argument("--variants", default="", help='kernel options timed beside the default, e.g. "softmax_elems=32"')
     a = p.parse_args()
+    VARIANTS.extend(parse_variants(a.variants))
     shapes = SHAPES if not a.shapes else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     rows = Rows()
     run(rows, [jnp.dtype(d) for d in a.dtypes.split(",")], max(a.reps, 50), shapes)

@@ -21,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
     static const std::pair<const char*, jax_ls2::KernelOption> names[] = {
         {"dropout_rows_in_flight", jax_ls2::kDropoutRowsInFlight},
         {"dropout_full_grid", jax_ls2::kDropoutFullGrid},
+        {"softmax_elems", jax_ls2::kSoftmaxElems},
     };
     for (const auto& [n, o] : names) {
       if (name == n) {

@@ -28,6 +28,7 @@ struct Registrar {
 enum KernelOption : int {
   kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
+  kSoftmaxElems,             // "softmax_elems": 32 elements per thread (bfloat16, 16-byte path)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

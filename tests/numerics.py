@@ -39,3 +39,21 @@ def compiled_text(f, *args) -> str:
 
 def cuda_lowering_text(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def under_kernel_option(name: str, value: int, fn, *args):
+    """fn(*args), computed to completion with the launch option `name` set to `value`
+    (jax_ls2._C.set_kernel_option), then the built-in choice restored."""
+    from jax_ls2 import _C
+    _C.set_kernel_option(name, value)
+    try:
+        return jax.block_until_ready(fn(*args))
+    finally:
+        _C.set_kernel_option(name, 0)
+
+
+def assert_bf16_close(a, b, ulps: int = 1, floor: float = 2.0 ** -16):
+    """Equal within `ulps` bfloat16 ulps of b (relative), elementwise, or within
+    floor * max|b| where a sum in another order meets cancellation (a - b near 0)."""
+    a, b = f64(a), f64(b)
+    np.testing.assert_allclose(a, b, rtol=ulps * 2.0 ** -7, atol=floor * max(np.abs(b).max(), 1e-30))
