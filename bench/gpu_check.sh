@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
-#   bash bench/gpu_check.sh [tests|bench|sanitize|models]...   (default: tests bench)
+#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
@@ -72,6 +72,24 @@ for step in $STEPS; do
         pack
       done
       ;;
+    sweep)
+      # Launch-option variants beside the defaults (bench/PERF_NOTES.md, "Launch options").
+      t0=$(date +%s)
+      run_sweep() {  # name, module, args...
+        local name=$1 mod=$2; shift 2
+        mkdir -p "$OUT/sweep_$name"
+        timeout ${SWEEP_TIMEOUT:-150} $PY -m bench.$mod --out "$OUT/sweep_$name" --dtypes bfloat16 "$@" \
+          >"$OUT/sweep_$name.log" 2>&1
+        summary+=("sweep $name: exit $?")
+      }
+      run_sweep dropout bench_dropout --variants \
+        dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8,dropout_full_grid=1,dropout_rows_in_flight=2+dropout_full_grid=1
+      run_sweep softmax bench_softmax --variants softmax_elems=32
+      run_sweep layer_norm_bwd bench_layer_norm --only layer_norm:bwd,layer_norm:fwd+bwd \
+        --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32
+      summary+=("sweeps: $(( $(date +%s) - t0 )) s")
+      pack
+      ;;
     models)
       t0=$(date +%s)
       timeout ${MODELS_TIMEOUT:-540} $PY -m bench.bench_models --out "$OUT" ${MODELS_ARGS:-} >"$OUT/bench_models.log" 2>&1
@@ -85,11 +103,13 @@ echo "================ summary"
 printf '%s\n' "${summary[@]}"
 $PY - "$OUT" <<'PYEOF'
 import csv, glob, sys
-for path in sorted(glob.glob(sys.argv[1] + "/*.csv")):
+for path in sorted(glob.glob(sys.argv[1] + "/*.csv") + glob.glob(sys.argv[1] + "/sweep_*/*.csv")):
     rows = list(csv.DictReader(open(path)))
-    ours = [r for r in rows if r.get("impl") == "jax_ls2"]
+    ours = [r for r in rows if r.get("impl", "").startswith("jax_ls2")]
     for r in ours:
+        variant = r["impl"][len("jax_ls2"):]  # "[option=value]" for sweep rows
         print(f"{r.get('op','')[:22]:<22}{r.get('shape','')[:18]:<18}{r.get('dtype','')[:8]:<9}{r.get('pass','')[:7]:<8}"
+              f"{variant[:36]:<37}"
               f"{r.get('ms_median',''):>8}ms {r.get('pct_copy_bw',''):>5}% x{r.get('speedup_vs_xla', ''):<6}"
               f" dev {r.get('device_ms',''):>8}ms {r.get('device_pct_copy_bw',''):>5}% x{r.get('device_speedup_vs_xla','')}")
 PYEOF

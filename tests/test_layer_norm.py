@@ -245,3 +245,19 @@ def test_gpu_program_calls_the_kernel():
     x, g, b, _ = inputs((8, 64))
     text = compiled_text(jax.grad(lambda x: jnp.sum(layer_norm(x, g, b))), x)
     assert "jax_ls2_layer_norm_fwd" in text and "jax_ls2_layer_norm_bwd" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elems", [16, 32])
+@pytest.mark.parametrize("hidden", [768, 4096])
+def test_gpu_backward_launch_options_compute_the_same(elems, hidden):
+    """The backward variants a benchmark may time (layer_norm_bwd_elems) give the
+    default's gradients within an ulp of bfloat16 (their sums add in another order)."""
+    from numerics import assert_bf16_close, under_kernel_option
+    x, g, b, r = inputs((1031, hidden), jnp.bfloat16, seed=5)
+    dy = jax.random.normal(jax.random.key(6), x.shape).astype(jnp.bfloat16)
+    prog = jax.jit(lambda x, g, b, r, dy: jax.vjp(lambda x, g, b: layer_norm(x, g, b, residual=r)[0], x, g, b)[1](dy))
+    want = jax.block_until_ready(prog(x, g, b, r, dy))
+    got = under_kernel_option("layer_norm_bwd_elems", elems, prog, x, g, b, r, dy)
+    for a, w in zip(got, want):
+        assert_bf16_close(a, w)

@@ -10,6 +10,7 @@
 // Looped path (larger hidden): one block per row, passes re-read the row.
 #include "common.cuh"
 #include "kernels/layer_norm.h"
+#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
@@ -25,6 +26,9 @@ constexpr int kFwdElems = 16;
 constexpr int FwdMaxThreads(int elems) { return 16384 / elems; }
 constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
+// Block size bound of a backward variant holding `elems` per thread (16 and 32 are
+// launch options for sweeps, kLayerNormBwdElems): five arrays of that many floats.
+constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
 constexpr int kLoopThreads = 512;
 
 // Sums (a, b) over the blockDim.x threads of this row group. All threads of the
@@ -187,9 +191,9 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 }
 
 // ------------------------------------------------------------------ backward
-template <typename T, int VEC, bool RES>
-__global__ void __launch_bounds__(kBwdMaxThreads) LayerNormBwdKernel(LayerNormBwdArgs a) {
-  constexpr int ITEMS = kBwdElems / VEC > 0 ? kBwdElems / VEC : 1;
+template <typename T, int VEC, bool RES, int ELEMS = kBwdElems>
+__global__ void __launch_bounds__(BwdMaxThreads(ELEMS)) LayerNormBwdKernel(LayerNormBwdArgs a) {
+  constexpr int ITEMS = ELEMS / VEC > 0 ? ELEMS / VEC : 1;
   __shared__ float scratch[64 * 16];
   extern __shared__ float fold[];  // (2, hidden)
   const int H = (int)a.hidden;
@@ -412,7 +416,11 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   }
   const bool res = a.dsum != nullptr;
   const int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
-  const int tpr = ThreadsPerRow(a.hidden, vec, kBwdElems, kBwdMaxThreads);
+  constexpr int kVec = kPack<T>;
+  const int opt = GetKernelOption(kLayerNormBwdElems);
+  const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && (opt == 16 || opt == 32) ? opt : kBwdElems;
+  const int max_threads = BwdMaxThreads(elems);
+  const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads);
   const size_t smem = 2 * a.hidden * sizeof(float);
   int parts;
   if (tpr == 0) {
@@ -420,13 +428,16 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
     parts = (int)std::min<int64_t>(a.rows, a.max_parts);
     k<<<parts, kLoopThreads, 0, stream>>>(a);
   } else {
-    const int ry = kBwdMaxThreads / tpr < 1 ? 1 : kBwdMaxThreads / tpr;
+    const int ry = max_threads / tpr < 1 ? 1 : max_threads / tpr;
     const int ry_used = (int)std::min<int64_t>(ry, a.rows);
     dim3 block(tpr, ry_used);
     parts = (int)std::min<int64_t>((a.rows + ry_used - 1) / ry_used, a.max_parts);
-    constexpr int kVec = kPack<T>;
     auto k = vec == kVec ? (res ? LayerNormBwdKernel<T, kVec, true> : LayerNormBwdKernel<T, kVec, false>)
                          : (res ? LayerNormBwdKernel<T, 1, true> : LayerNormBwdKernel<T, 1, false>);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
+      if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
+    }
     if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k<<<parts, block, smem, stream>>>(a);
   }
