@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bench.common import Rows, compare, time_fn
+from bench.common import VARIANTS, Rows, compare, parse_variants, time_fn
 from jax_ls2.ops import cross_entropy, linear_cross_entropy
 
 F32 = jnp.float32
@@ -49,11 +49,13 @@ def run_ce(rows: Rows, shapes, dtype, reps):
         gb = n * v * e / 1e9
         compare(rows, "cross_entropy", (n, v), dtype, "fwd", gb, ours_ce, optax_ce, sets, reps)
         vg = lambda f: (lambda x, y: jax.value_and_grad(f)(x, y))
+        first = len(rows.rows)  # the optax row; ours (and any --variants) follow it
         r = compare(rows, "cross_entropy", (n, v), dtype, "fwd+bwd", 2 * gb, vg(ours_ce), vg(optax_ce), sets, reps)
+        xla_row = rows.rows[first]
         r["peak_mem_bytes"] = peak_bytes(vg(ours_ce), *sets[0])
-        rows.rows[-2]["peak_mem_bytes"] = peak_bytes(vg(optax_ce), *sets[0])
+        xla_row["peak_mem_bytes"] = peak_bytes(vg(optax_ce), *sets[0])
         mt = time_fn(vg(ours_ce_tokens), sets, reps)
-        xla_ms = rows.rows[-2]["ms_median"]
+        xla_ms = xla_row["ms_median"]
         rows.add(op="cross_entropy", shape=f"{n}x{v}", dtype=jnp.dtype(dtype).name, **{"pass": "fwd+bwd"},
                  impl="jax_ls2_per_token", ms_median=mt[0], ms_p20=mt[1], ms_p80=mt[2], gbytes=2 * gb,
                  speedup_vs_xla=round(xla_ms / mt[0], 3))
@@ -74,13 +76,15 @@ def run_lce(rows: Rows, n, hid, v, dtype, reps):
         sets.append((jax.random.normal(k1, (n, hid), dtype), (0.02 * jax.random.normal(k2, (v, hid), F32)).astype(dtype),
                      jax.random.randint(k3, (n,), 0, v, jnp.int32)))
     vg = lambda f: (lambda h, w, y: jax.value_and_grad(f, (0, 1))(h, w, y))
+    first = len(rows.rows)
     r = compare(rows, "linear_cross_entropy", (n, hid, v), dtype, "fwd+bwd", "", vg(fused_head), vg(unfused_head),
                 sets, reps)
+    xla_row = rows.rows[first]
     r["peak_mem_bytes"] = peak_bytes(vg(fused_head), *sets[0])
-    rows.rows[-2]["peak_mem_bytes"] = peak_bytes(vg(unfused_head), *sets[0])
+    xla_row["peak_mem_bytes"] = peak_bytes(vg(unfused_head), *sets[0])
     print(f"linear_cross_entropy peak memory: fused {r['peak_mem_bytes'] / 1e9:.3f} GB, "
-          f"unfused {rows.rows[-2]['peak_mem_bytes'] / 1e9:.3f} GB "
-          f"({100 * r['peak_mem_bytes'] / rows.rows[-2]['peak_mem_bytes']:.1f}%)")
+          f"unfused {xla_row['peak_mem_bytes'] / 1e9:.3f} GB "
+          f"({100 * r['peak_mem_bytes'] / xla_row['peak_mem_bytes']:.1f}%)")
 
 
 def main():
@@ -88,12 +92,16 @@ def main():
     p.add_argument("--out", default="bench/results")
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default="bfloat16")
+    p.add_argument("--variants", default="", help='kernel options timed beside the default, e.g. "cross_entropy_threads=1024"')
+    p.add_argument("--no-lce", action="store_true", help="skip linear_cross_entropy")
     a = p.parse_args()
+    VARIANTS.extend(parse_variants(a.variants))
     rows = Rows()
     for dt in a.dtypes.split(","):
         dtype = jnp.dtype(dt)
         run_ce(rows, [(16384, 50257), (8192, 128256)], dtype, a.reps)
-        run_lce(rows, 16384, 768, 50257, dtype, a.reps)
+        if not a.no_lce:
+            run_lce(rows, 16384, 768, 50257, dtype, a.reps)
     rows.print_table()
     path = os.path.join(a.out, "cross_entropy.csv")
     rows.write(path)

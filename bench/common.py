@@ -141,6 +141,7 @@ class Rows:
             row["pct_copy_bw"] = round(100 * row["gbps"] / COPY_GBPS, 1)
         if kw.get("device_ms") and kw.get("gbytes"):
             row["device_pct_copy_bw"] = round(100 * kw["gbytes"] / (kw["device_ms"] * 1e-3) / COPY_GBPS, 1)
+        if isinstance(kw.get("device_ms"), float):
             row["device_ms"] = round(kw["device_ms"], 4)
         for k in ("ms_median", "ms_p20", "ms_p80"):
             if isinstance(row[k], float):

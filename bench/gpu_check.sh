@@ -85,6 +85,7 @@ for step in $STEPS; do
       run_sweep dropout bench_dropout --variants \
         dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8,dropout_full_grid=1,dropout_rows_in_flight=2+dropout_full_grid=1
       run_sweep softmax bench_softmax --variants softmax_elems=32
+      run_sweep cross_entropy bench_cross_entropy --no-lce --variants cross_entropy_threads=256,cross_entropy_threads=1024
       run_sweep layer_norm_bwd bench_layer_norm --only layer_norm:bwd,layer_norm:fwd+bwd \
         --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32
       summary+=("sweeps: $(( $(date +%s) - t0 )) s")

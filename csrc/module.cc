@@ -23,6 +23,7 @@ PYBIND11_MODULE(_C, m) {
         {"dropout_full_grid", jax_ls2::kDropoutFullGrid},
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
+        {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
     };
     for (const auto& [n, o] : names) {
       if (name == n) {

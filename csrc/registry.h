@@ -30,6 +30,7 @@ enum KernelOption : int {
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
   kSoftmaxElems,             // "softmax_elems": 32 elements per thread (bfloat16, 16-byte path)
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
+  kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

@@ -325,3 +325,18 @@ def test_gpu_linear_cross_entropy_matches_unfused(use_bias, eps, ignore):
     for a, b in zip(g1, g2):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 2e-2 * np.max(np.abs(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [256, 1024])
+@pytest.mark.parametrize("vocab", [50257, 128256])
+def test_gpu_thread_count_options_compute_the_same(threads, vocab):
+    """The launch variants a benchmark may time (cross_entropy_threads) give the default's
+    loss within float32 summation noise and its gradient within an ulp of bfloat16."""
+    from numerics import assert_bf16_close, under_kernel_option
+    x, y = _data(22, (67,), vocab, dtype=jnp.bfloat16)
+    prog = jax.jit(jax.value_and_grad(lambda x: cross_entropy(x, y, reduction="sum")[0]))
+    want = jax.block_until_ready(prog(x))
+    got = under_kernel_option("cross_entropy_threads", threads, prog, x)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+    assert_bf16_close(got[1], want[1])

@@ -13,6 +13,7 @@
 // outside [0, vocab) gives a NaN loss and a NaN gradient row.
 #include "common.cuh"
 #include "kernels/cross_entropy.h"
+#include "registry.h"
 
 #include <type_traits>
 
@@ -32,6 +33,7 @@ __device__ __forceinline__ float ExpShifted(float t) {
   }
 }
 constexpr int kThreads = 512;
+constexpr int kMaxThreads = 1024;  // launch option kCrossEntropyThreads (bfloat16, 16-byte path)
 constexpr int kUnroll = 4;
 constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
 
@@ -122,8 +124,8 @@ __device__ __forceinline__ float BlockSum(float v, float* sh) {
   return v;
 }
 
-template <typename T, int VEC, bool CACHE, bool GRAD>
-__global__ void __launch_bounds__(kThreads) CrossEntropyKernel(CrossEntropyArgs a) {
+template <typename T, int VEC, bool CACHE, bool GRAD, int MAXT = kThreads>
+__global__ void __launch_bounds__(MAXT) CrossEntropyKernel(CrossEntropyArgs a) {
   extern __shared__ __align__(16) unsigned char cache_raw[];
   __shared__ float sh[96];
   using PackT = Pack<T, VEC>;
@@ -261,6 +263,9 @@ __global__ void ScaleKernel(ScaleArgs a) {
 template <typename T, int VEC, bool CACHE, bool GRAD>
 cudaError_t Launch(const CrossEntropyArgs& a, int threads, size_t smem, cudaStream_t stream) {
   auto k = CrossEntropyKernel<T, VEC, CACHE, GRAD>;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC > 1) {
+    if (threads > kThreads) k = CrossEntropyKernel<T, VEC, CACHE, GRAD, kMaxThreads>;
+  }
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return err;
@@ -278,7 +283,10 @@ cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream) {
   const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
   const bool vec = a.grad == nullptr || (xa & 15) == (ga & 15);
   int threads = 32;
-  while (threads < kThreads && (int64_t)threads * kVec * 2 < a.vocab) threads <<= 1;
+  const int opt = GetKernelOption(kCrossEntropyThreads);
+  // The 1024-thread variant exists for bfloat16 with 16-byte accesses only.
+  const int cap = opt == 256 || (opt == 1024 && std::is_same_v<T, __nv_bfloat16> && vec) ? opt : kThreads;
+  while (threads < cap && (int64_t)threads * kVec * 2 < a.vocab) threads <<= 1;
   if (a.grad == nullptr) {
     return vec ? Launch<T, kVec, false, false>(a, threads, 0, stream)
                : Launch<T, 1, false, false>(a, threads, 0, stream);
