@@ -78,15 +78,17 @@ for step in $STEPS; do
       run_sweep() {  # name, module, args...
         local name=$1 mod=$2; shift 2
         mkdir -p "$OUT/sweep_$name"
-        timeout ${SWEEP_TIMEOUT:-150} $PY -m bench.$mod --out "$OUT/sweep_$name" --dtypes bfloat16 "$@" \
+        timeout ${SWEEP_TIMEOUT:-200} $PY -m bench.$mod --out "$OUT/sweep_$name" --dtypes bfloat16 "$@" \
           >"$OUT/sweep_$name.log" 2>&1
         summary+=("sweep $name: exit $?")
       }
-      run_sweep dropout bench_dropout --variants \
+      run_sweep dropout bench_dropout --reps 30 \
+        --only bias_dropout_residual:fwd,bias_dropout_residual:bwd,bias_act_dropout_gelu:fwd,bias_act_dropout_gelu:bwd \
+        --variants \
         dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8,dropout_full_grid=1,dropout_rows_in_flight=2+dropout_full_grid=1
-      run_sweep softmax bench_softmax --variants softmax_elems=32
-      run_sweep cross_entropy bench_cross_entropy --no-lce --variants cross_entropy_threads=256,cross_entropy_threads=1024
-      run_sweep layer_norm_bwd bench_layer_norm --only layer_norm:bwd,layer_norm:fwd+bwd \
+      run_sweep softmax bench_softmax --reps 30 --variants softmax_elems=32
+      run_sweep cross_entropy bench_cross_entropy --reps 30 --no-lce --variants cross_entropy_threads=256,cross_entropy_threads=1024
+      run_sweep layer_norm_bwd bench_layer_norm --reps 30 --only layer_norm:bwd,layer_norm:fwd+bwd \
         --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32
       summary+=("sweeps: $(( $(date +%s) - t0 )) s")
       pack
