@@ -3,7 +3,7 @@
 // One block per row. Pass 1 streams the row once (16-byte loads after a scalar
 // head that reaches alignment) keeping a per-thread online (max, sum of exp) and
 // the plain sum of logits; the block merges them into the log-sum-exp (fp32 logits:
-// the max only, then a second sweep sums exp(x - max), see kOnline). The loss
+// the max only, then a second sweep sums exp(x - max) in double, see kOnline). The loss
 //   lse - (1 - eps) * x[label] - eps * mean(x) + z * lse^2
 // is written per row. With a gradient output, pass 2 writes
 //   scale * (softmax * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab)
@@ -38,9 +38,12 @@ constexpr int kUnroll = 4;
 constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
 
 // 16-bit logits keep an online (max, sum of exp) in one read of the row. fp32 logits
-// take the row max first and then sum exp(x - max) in a second sweep: every online
-// rescaling costs up to an ulp of the sum, and a few of them per thread plus the block
-// merges put the fp32 softmax several ulps off, past the error of a two-pass softmax.
+// take the row max first, then sum exp(x - max) in double in a second sweep, and form
+// the gradient in double with the same exp: float sums of 50k terms, online
+// rescalings and expf's own error each put the largest fp32 probabilities an ulp or
+// more off, past XLA's error; in double the only rounding left is the final one. The
+// fp32 path pays the double-precision arithmetic (FP64 runs at half the FP32 rate on
+// sm_90); the 16-bit paths, whose own rounding hides all of this, do not.
 template <typename T>
 constexpr bool kOnline = !std::is_same_v<T, float>;
 
@@ -109,20 +112,22 @@ __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float
   }
 }
 
-// Block-wide sum; every thread gets the result. Starts with a barrier, so sh may
-// still be in use by the caller's previous reduction.
-__device__ __forceinline__ float BlockSum(float v, float* sh) {
+// Block-wide sum in double (the fp32 path's sum of exp); every thread gets the result.
+// Starts with a barrier, so sh may still be in use by the caller's previous reduction.
+__device__ __forceinline__ double BlockSumD(double v, double* sh) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   __syncthreads();
   if (lane == 0) sh[warp] = v;
   __syncthreads();
-  v = lane < nw ? sh[lane] : 0.f;
+  v = lane < nw ? sh[lane] : 0.0;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+__device__ __forceinline__ double ExpD(float v, float m) { return exp((double)v - (double)m); }
 
 template <typename T, int VEC, bool CACHE, bool GRAD, int MAXT = kThreads>
 __global__ void __launch_bounds__(MAXT) CrossEntropyKernel(CrossEntropyArgs a) {
@@ -190,20 +195,23 @@ __global__ void __launch_bounds__(MAXT) CrossEntropyKernel(CrossEntropyArgs a) {
     Accumulate<T>(v, m, d, sx);
   }
   BlockReduce<T>(m, d, sx, sh);
+  double dd = 0.0;  // fp32 path: the sum of exp in double
   if constexpr (!kOnline<T>) {
+    __shared__ double shd[32];
     if (m != -INFINITY) {
-      float s = 0.f;
-      for (int64_t c = threadIdx.x; c < head; c += bd) s += expf(ToFloat(x[c]) - m);
-      for (int64_t c = body_end + threadIdx.x; c < V; c += bd) s += expf(ToFloat(x[c]) - m);
+      double s = 0.0;
+      for (int64_t c = threadIdx.x; c < head; c += bd) s += ExpD(ToFloat(x[c]), m);
+      for (int64_t c = body_end + threadIdx.x; c < V; c += bd) s += ExpD(ToFloat(x[c]), m);
       for (int64_t k = threadIdx.x; k < nvec; k += bd) {
         const PackT pk = CACHE ? cache[k] : xb[k];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) s += expf(ToFloat(pk.v[j]) - m);
+        for (int j = 0; j < VEC; ++j) s += ExpD(ToFloat(pk.v[j]), m);
       }
-      d = BlockSum(s, sh);
+      dd = BlockSumD(s, shd);
+      d = (float)dd;
     }
   }
-  const float lse = m + logf(d);
+  const float lse = kOnline<T> ? m + logf(d) : (float)((double)m + log(dd));
   const bool valid = label >= 0 && label < V;
   const float xl = valid ? ToFloat(x[valid ? label : 0]) : NAN;
   const float eps = a.smoothing;
@@ -221,9 +229,13 @@ __global__ void __launch_bounds__(MAXT) CrossEntropyKernel(CrossEntropyArgs a) {
     // (half an ulp of ~log(vocab)) would otherwise shift every probability alike.
     const float inv_d = 1.f / d;
     auto grad_of = [&](float v, int64_t c) {
-      // fp32 divides (one rounding, as XLA's softmax); 16-bit output hides the second.
-      const float p = kOnline<T> ? ExpShifted<T>(v - m) * inv_d : ExpShifted<T>(v - m) / d;
-      return s * (p * pz - (c == label ? on + off : off));
+      if constexpr (kOnline<T>) {
+        const float p = ExpShifted<T>(v - m) * inv_d;
+        return s * (p * pz - (c == label ? on + off : off));
+      } else {
+        const double p = ExpD(v, m) / dd;
+        return (float)((double)s * (p * (double)pz - (c == label ? (double)on + (double)off : (double)off)));
+      }
     };
     for (int64_t c = threadIdx.x; c < head; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
     for (int64_t c = body_end + threadIdx.x; c < V; c += bd) g[c] = FromFloat<T>(grad_of(ToFloat(x[c]), c));
