@@ -24,7 +24,9 @@ struct Registrar {
 
 // Launch choices a benchmark may override from Python, through
 // jax_ls2._C.set_kernel_option(name, value); 0 everywhere means the built-in choice.
-// Read at every launch, so one compiled program can be timed under each setting.
+// Read when a handler runs. XLA may capture custom calls into a CUDA graph on a
+// program's first run and replay it without calling the handler again, so a setting
+// reaches the programs first run after it is set: compile a fresh one per setting.
 enum KernelOption : int {
   kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once

@@ -42,12 +42,13 @@ def cuda_lowering_text(f, *args) -> str:
 
 
 def under_kernel_option(name: str, value: int, fn, *args):
-    """fn(*args), computed to completion with the launch option `name` set to `value`
-    (jax_ls2._C.set_kernel_option), then the built-in choice restored."""
+    """fn(*args) through a freshly compiled program run to completion with the launch
+    option `name` set to `value` (jax_ls2._C.set_kernel_option), then the built-in
+    choice restored. Fresh, because a program replays the CUDA graph of its first run."""
     from jax_ls2 import _C
     _C.set_kernel_option(name, value)
     try:
-        return jax.block_until_ready(fn(*args))
+        return jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
     finally:
         _C.set_kernel_option(name, 0)
 
