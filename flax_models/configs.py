@@ -10,9 +10,10 @@ class Config:
 
     Common: vocab_size, hidden_size, num_layers (decoder layers for "transformer" too),
     num_heads, ffn_size, max_len (positions / longest sequence), the three dropout rates,
-    layer_norm_eps, attention_backend, remat. Family-specific: type_vocab_size (bert),
-    label_smoothing / pad_id (transformer), image_size / patch_size / channels /
-    num_classes (vit).
+    layer_norm_eps, attention_backend, remat. Family-specific: type_vocab_size and
+    mlm_max_predictions (bert: > 0 runs the MLM head on at most that many predicted
+    tokens per sequence instead of on every token), label_smoothing / pad_id
+    (transformer), image_size / patch_size / channels / num_classes (vit).
     """
     family: str
     vocab_size: int = 512
@@ -28,6 +29,7 @@ class Config:
     attention_backend: str = "auto"
     remat: bool = False
     type_vocab_size: int = 2
+    mlm_max_predictions: int = 0
     label_smoothing: float = 0.1
     pad_id: int = 0
     image_size: int = 32

@@ -63,12 +63,16 @@ def gpt_batch(seed, step, batch, seq):
     return {"input_ids": win[:, :-1], "labels": win[:, 1:]}
 
 
-def bert_batch(seed, step, batch, seq, mask_rate=0.15):
+def bert_batch(seed, step, batch, seq, mask_rate=0.15, max_predictions=0):
+    """Masked-LM batch: each token masked with probability mask_rate, and with
+    max_predictions > 0 at most that many per sequence (the first ones)."""
     tok = text_tokens()
     rng = _rng(seed, step)
     starts = rng.integers(0, tok.size - seq, batch)
     ids = np.stack([tok[s:s + seq] for s in starts])
     masked = rng.random(ids.shape) < mask_rate
+    if max_predictions > 0:
+        masked &= np.cumsum(masked, axis=-1) <= max_predictions
     labels = np.where(masked, ids, -100).astype(np.int32)
     return {"input_ids": np.where(masked, MASK, ids).astype(np.int32), "labels": labels}
 
@@ -109,7 +113,9 @@ def make_batch(cfg, seed: int, step: int, batch: int, seq: int) -> dict:
             raise ValueError(f"data: text needs vocab_size >= {TEXT_VOCAB}, got {cfg.vocab_size}")
         if seq > cfg.max_len:
             raise ValueError(f"data: seq {seq} exceeds the model's max_len {cfg.max_len}")
-        return (gpt_batch if cfg.family == "gpt" else bert_batch)(seed, step, batch, seq)
+        if cfg.family == "gpt":
+            return gpt_batch(seed, step, batch, seq)
+        return bert_batch(seed, step, batch, seq, max_predictions=cfg.mlm_max_predictions)
     if cfg.family == "transformer":
         return translation_batch(seed, step, batch, seq, cfg.vocab_size)
     if cfg.family == "vit":

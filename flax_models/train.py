@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, help="override all dropout rates")
+    p.add_argument("--mlm-max-predictions", type=int, default=0,
+                   help="bert: mask at most this many tokens per sequence and run the MLM head on them only")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--remat", action="store_true")
     p.add_argument("--optimizer", default="fused", choices=["fused", "optax"])
@@ -54,6 +56,10 @@ def config_from(args):
     if args.dropout is not None:
         over.update(hidden_dropout=args.dropout, attn_dropout=args.dropout,
                     activation_dropout=args.dropout)
+    if args.mlm_max_predictions:
+        if args.model != "bert":
+            raise ValueError(f"train: --mlm-max-predictions applies to bert, not {args.model}")
+        over["mlm_max_predictions"] = args.mlm_max_predictions
     cfg = fm.get_config(args.model, args.preset, **over)
     batch, seq = DEFAULTS["tiny" if args.preset == "tiny" else args.model]
     return cfg, args.batch or batch, args.seq or seq or cfg.max_len

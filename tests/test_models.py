@@ -53,6 +53,36 @@ def test_model_matches_twin_bf16(family):
     np.testing.assert_allclose(lo, lt, rtol=1e-2)
 
 
+@pytest.mark.parametrize("impl", fm.IMPLS)
+def test_bert_head_on_predicted_tokens_only_gives_the_same_loss(impl):
+    """mlm_max_predictions: the MLM head on the gathered predicted tokens gives the loss
+    and gradients of the head on every token, when no sequence has more predictions."""
+    cfg = fm.get_config("bert", "tiny")
+    batch = data.make_batch(cfg.replace(mlm_max_predictions=12), 0, 0, 3, 64)
+    counts = (batch["labels"] != -100).sum(-1)
+    assert counts.max() <= 12 and counts.min() > 0
+    full = fm.build(cfg, impl=impl, seed=0)
+    gathered = fm.build(cfg.replace(mlm_max_predictions=12), impl=impl, seed=0)
+    full.eval(), gathered.eval()
+    lf, gf = _loss_and_grads(full, batch)
+    lg, gg = _loss_and_grads(gathered, batch)
+    np.testing.assert_allclose(lg, lf, rtol=1e-6)
+    _close(gg, gf, rtol=1e-4, atol=1e-6)
+    assert int(gathered.loss(batch)[1]["dropped_predictions"]) == 0
+    assert int(gathered.loss(batch)[1]["tokens"]) == int(counts.sum())
+
+
+def test_bert_predictions_beyond_the_cap_are_counted():
+    cfg = fm.get_config("bert", "tiny", mlm_max_predictions=2)
+    batch = data.make_batch(fm.get_config("bert", "tiny"), 0, 0, 3, 64)  # uncapped masks
+    counts = (batch["labels"] != -100).sum(-1)
+    model = fm.build(cfg, impl="plain", seed=0)
+    model.eval()
+    _, aux = model.loss(batch)
+    assert int(aux["dropped_predictions"]) == int(np.maximum(counts - 2, 0).sum()) > 0
+    assert int(aux["tokens"]) == int(np.minimum(counts, 2).sum())
+
+
 def test_dropout_modes_and_keys():
     cfg, ours, _ = _twins("bert", hidden_dropout=0.1, attn_dropout=0.1)
     batch = data.make_batch(cfg, 0, 0, 2, 16)
