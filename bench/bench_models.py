@@ -27,20 +27,24 @@ import time
 
 PEAK_FLOPS = 790e12
 GROUP = 5  # steps per timed group
-# name: (family, preset, batch, seq, dropout[, attention dropout]); seq 0 = images;
-# the attention dropout is `dropout` unless given.
+# name: (family, preset, batch, seq, dropout[, config overrides]); seq 0 = images;
+# `dropout` sets every dropout rate the overrides do not.
 MODELS = {
     "gpt2-small": ("gpt", "small", 16, 1024, 0.0),
     "gpt2-medium": ("gpt", "medium", 8, 1024, 0.0),
     "bert-base-512": ("bert", "base", 32, 512, 0.1),
     # Hidden dropout only: both forms then run cuDNN attention.
-    "bert-base-512-attn0": ("bert", "base", 32, 512, 0.1, 0.0),
+    "bert-base-512-attn0": ("bert", "base", 32, 512, 0.1, {"attn_dropout": 0.0}),
+    # The MLM head on at most 80 masked tokens per sequence (BERT pre-training's setting).
+    "bert-base-512-mlm80": ("bert", "base", 32, 512, 0.1, {"mlm_max_predictions": 80}),
     "bert-base-128": ("bert", "base", 256, 128, 0.1),
     "transformer-base": ("transformer", "base", 64, 128, 0.1),
     "vit-b16": ("vit", "b16", 128, 0, 0.0),
 }
-DEFAULT = ["gpt2-small", "bert-base-512", "bert-base-128", "transformer-base", "vit-b16", "bert-base-512-attn0"]
+DEFAULT = ["gpt2-small", "bert-base-512", "bert-base-128", "transformer-base", "vit-b16", "bert-base-512-attn0",
+           "bert-base-512-mlm80"]
 QUICK = {"gpt2-small": (4, 512), "gpt2-medium": (2, 512), "bert-base-512": (8, 512), "bert-base-512-attn0": (8, 512),
+         "bert-base-512-mlm80": (8, 512),
          "bert-base-128": (64, 128), "transformer-base": (16, 128), "vit-b16": (32, 0)}
 
 
@@ -60,7 +64,8 @@ def train_flops(cfg, batch, seq):
         return 3 * 2 * batch * (enc + dec + dec_attn)
     causal = cfg.family == "gpt"
     attn = n_layers * 2 * h * seq * seq * (0.5 if causal else 1.0)
-    return 3 * 2 * batch * ((n_layers * layer + h * v) * seq + attn)
+    head_tokens = min(cfg.mlm_max_predictions, seq) if cfg.mlm_max_predictions else seq  # bert's MLM head
+    return 3 * 2 * batch * (n_layers * layer * seq + h * v * head_tokens + attn)
 
 
 def run_one(name, impl, steps, warmup, quick, smoke):
@@ -70,14 +75,15 @@ def run_one(name, impl, steps, warmup, quick, smoke):
 
     import flax_models as fm
     from flax_models import data, training
-    family, preset, batch, seq, dropout, *attn = MODELS[name]
-    attn_dropout = attn[0] if attn else dropout
+    family, preset, batch, seq, dropout, *extra = MODELS[name]
+    overrides = extra[0] if extra else {}
     if quick:
         batch, seq = QUICK[name]
     if smoke:
         preset, batch, seq = "tiny", 4, (0 if family == "vit" else 64)
-    cfg = fm.get_config(family, preset, hidden_dropout=dropout, attn_dropout=attn_dropout,
-                        activation_dropout=0.0 if family in ("bert", "gpt", "vit") else dropout)
+    cfg = fm.get_config(family, preset, **{
+        "hidden_dropout": dropout, "attn_dropout": dropout,
+        "activation_dropout": 0.0 if family in ("bert", "gpt", "vit") else dropout, **overrides})
     seq = seq or cfg.max_len
     tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl == "ls2")
     graphdef, state = training.create(cfg, impl=impl, dtype=jnp.bfloat16, seed=0, tx=tx)
@@ -103,7 +109,7 @@ def run_one(name, impl, steps, warmup, quick, smoke):
     units = data.tokens_in(cfg, batches[0])
     stats = jax.devices()[0].memory_stats() or {}
     shape = f"{batch}x{seq}" if family != "vit" else f"{batch}x{cfg.image_size}^2"
-    drop = f"dropout={dropout}" + (f" attn_dropout={attn_dropout}" if attn_dropout != dropout else "")
+    drop = " ".join([f"dropout={dropout}"] + [f"{k}={v}" for k, v in overrides.items()])
     return {"model": name, "shape": f"{shape} {drop}", "dtype": "bf16", "impl": impl,
             "ms_median": med, "ms_p20": float(np.percentile(ms, 20)),
             "ms_p80": float(np.percentile(ms, 80)), "tokens_per_s": units / med * 1e3,
