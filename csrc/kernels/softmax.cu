@@ -17,6 +17,7 @@
 // Looped path (larger k_len): one block per row, an online max/sum pass and a
 // write pass that re-reads the row (from L2).
 #include <type_traits>
+#include <utility>
 
 #include "common.cuh"
 #include "kernels/softmax.h"
@@ -441,38 +442,41 @@ cudaError_t Launch(const Args& a, int tpr, RegK reg, LoopK loop, cudaStream_t st
   return cudaGetLastError();
 }
 
-template <typename T, typename BT>
-cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+// Picks elements per thread and threads per row, then launches the register kernel
+// kernels(vec, items).first or the looped kernel .second; vec and items come as
+// std::integral_constant so one dispatch serves the forward and the backward.
+template <typename T, typename Args, typename Kernels>
+cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t stream) {
+  using std::integral_constant;
   constexpr int kVec = kPack<T>;
-  const int vec = PickVec<T>(a.p, a.y, nullptr);
   const int elems = ElemsFor<T>(vec);
   const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (elems != kElemsPerThread)
-      return Launch(a, tpr, SoftmaxFwdKernel<T, BT, kVec, 2 * kElemsPerThread / kVec>,
-                    SoftmaxFwdLoopKernel<T, BT, kVec>, stream);
+    if (elems != kElemsPerThread) {
+      const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, 2 * kElemsPerThread / kVec>{});
+      return Launch(a, tpr, k.first, k.second, stream);
+    }
   }
-  if (vec == kVec)
-    return Launch(a, tpr, SoftmaxFwdKernel<T, BT, kVec, kElemsPerThread / kVec>,
-                  SoftmaxFwdLoopKernel<T, BT, kVec>, stream);
-  return Launch(a, tpr, SoftmaxFwdKernel<T, BT, 1, kElemsPerThread>, SoftmaxFwdLoopKernel<T, BT, 1>, stream);
+  if (vec == kVec) {
+    const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, kElemsPerThread / kVec>{});
+    return Launch(a, tpr, k.first, k.second, stream);
+  }
+  const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{});
+  return Launch(a, tpr, k.first, k.second, stream);
+}
+
+template <typename T, typename BT>
+cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+  return LaunchTyped<T>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items) {
+    return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
+  }, stream);
 }
 
 template <typename T, typename BT>
 cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
-  constexpr int kVec = kPack<T>;
-  const int vec = PickVec<T>(a.p, a.dy, a.dx);
-  const int elems = ElemsFor<T>(vec);
-  const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (elems != kElemsPerThread)
-      return Launch(a, tpr, SoftmaxBwdKernel<T, BT, kVec, 2 * kElemsPerThread / kVec>,
-                    SoftmaxBwdLoopKernel<T, BT, kVec>, stream);
-  }
-  if (vec == kVec)
-    return Launch(a, tpr, SoftmaxBwdKernel<T, BT, kVec, kElemsPerThread / kVec>,
-                  SoftmaxBwdLoopKernel<T, BT, kVec>, stream);
-  return Launch(a, tpr, SoftmaxBwdKernel<T, BT, 1, kElemsPerThread>, SoftmaxBwdLoopKernel<T, BT, 1>, stream);
+  return LaunchTyped<T>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items) {
+    return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
+  }, stream);
 }
 
 }  // namespace
