@@ -24,6 +24,8 @@ PYBIND11_MODULE(_C, m) {
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
+        {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
+        {"optim_update_shape", jax_ls2::kOptimUpdateShape},
     };
     for (const auto& [n, o] : names) {
       if (name == n) {
