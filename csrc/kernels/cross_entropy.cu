@@ -291,13 +291,18 @@ cudaError_t Launch(const CrossEntropyArgs& a, int threads, size_t smem, cudaStre
 template <typename T>
 cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.vocab == 0) return cudaSuccess;
+  cudaError_t staged_err;
+  if (LaunchCrossEntropyStaged<T>(a, stream, &staged_err)) return staged_err;
   constexpr int kVec = kPack<T>;
   const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
   const bool vec = a.grad == nullptr || (xa & 15) == (ga & 15);
   int threads = 32;
   const int opt = GetKernelOption(kCrossEntropyThreads);
   // The 1024-thread variant exists for bfloat16 with 16-byte accesses only.
-  const int cap = opt == 256 || (opt == 1024 && std::is_same_v<T, __nv_bfloat16> && vec) ? opt : kThreads;
+  // Loss only: 256 threads a row (bf16 16384 x 50257 on the H200: 89% of copy bandwidth
+  // against 80% at 512; the launch-option sweep in bench/PERF_NOTES.md).
+  const int cap = opt == 256 || (opt == 1024 && std::is_same_v<T, __nv_bfloat16> && vec) ? opt
+                  : a.grad == nullptr ? 256 : kThreads;
   while (threads < cap && (int64_t)threads * kVec * 2 < a.vocab) threads <<= 1;
   if (a.grad == nullptr) {
     return vec ? Launch<T, kVec, false, false>(a, threads, 0, stream)

@@ -24,14 +24,14 @@ namespace jax_ls2 {
 namespace {
 
 constexpr int kMaxThreads = 512;
-// Rows each thread loads before computing. Kernels streaming one input (activation
-// forward, bias+dropout+residual backward) hold twice as many rows as those streaming
-// two, so both keep about the same bytes in flight per thread; at 80-128 registers a
-// thread, occupancy is too low to hide DRAM latency otherwise.
-constexpr int kRowsInFlight = 4;
+// Rows each thread loads before computing (measured on the H200, bfloat16, the
+// dropout_rows_in_flight sweep in bench/PERF_NOTES.md): 4 for the kernels streaming two
+// inputs; 2 for the activation forward, whose arithmetic (the hash, erf) needs the
+// occupancy more than the bytes in flight; 8 for the bias+dropout+residual backward at
+// hidden sizes above 2048, 2 at smaller ones (RowsFor).
 enum Kind : int { kBdrFwd = 0, kBdrBwd = 1, kActFwd = 2, kActBwd = 3 };
 constexpr int RowsInFlight(int kind) {
-  return kind == kBdrBwd || kind == kActFwd ? 2 * kRowsInFlight : kRowsInFlight;
+  return kind == kBdrBwd ? 8 : kind == kActFwd ? 2 : 4;
 }
 
 // erf(x) within 6e-7 absolute in float32 arithmetic (Abramowitz & Stegun 7.1.26),
@@ -207,19 +207,31 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
   }
 }
 
-// dbias[c] = sum_p partials[p][c]; 16 lanes per column, folded in a fixed order.
-__global__ void __launch_bounds__(512) SumPartialsKernel(const float* partials, int parts, int64_t hidden,
-                                                         float* dbias) {
-  __shared__ float s[16][33];
+// dbias[c] = sum_p partials[p][c]: 32 columns per block, 32 lanes per column, each lane
+// with 4 partial rows in flight; every sum is taken in the same fixed order each run.
+constexpr int kFoldLanes = 32, kFoldUnroll = 4;
+__global__ void __launch_bounds__(32 * kFoldLanes) SumPartialsKernel(const float* partials, int parts,
+                                                                     int64_t hidden, float* dbias) {
+  __shared__ float s[kFoldLanes][33];
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  float v = 0.f;
-  if (c < hidden)
-    for (int p = threadIdx.y; p < parts; p += 16) v += partials[(int64_t)p * hidden + c];
+  float acc[kFoldUnroll] = {};
+  if (c < hidden) {
+    for (int p0 = threadIdx.y; p0 < parts; p0 += kFoldLanes * kFoldUnroll) {
+#pragma unroll
+      for (int k = 0; k < kFoldUnroll; ++k) {
+        const int p = p0 + k * kFoldLanes;
+        if (p < parts) acc[k] += partials[(int64_t)p * hidden + c];
+      }
+    }
+  }
+  float v = acc[0];
+#pragma unroll
+  for (int k = 1; k < kFoldUnroll; ++k) v += acc[k];
   s[threadIdx.y][threadIdx.x] = v;
   __syncthreads();
   if (threadIdx.y == 0 && c < hidden) {
     float t = s[0][threadIdx.x];
-    for (int y = 1; y < 16; ++y) t += s[y][threadIdx.x];
+    for (int y = 1; y < kFoldLanes; ++y) t += s[y][threadIdx.x];
     dbias[c] = t;
   }
 }
@@ -234,10 +246,11 @@ struct Shape {
 // Rows each thread loads before computing: the kind's default, or the benchmark
 // override (bfloat16 with 16-byte accesses only, the variants compiled for it).
 template <typename T>
-int RowsFor(int kind, int vec) {
+int RowsFor(int kind, int vec, int64_t hidden) {
+  if (!std::is_same_v<T, __nv_bfloat16> || vec != kPack<T>) return RowsInFlight(kind);
   const int u = GetKernelOption(kDropoutRowsInFlight);
-  if (std::is_same_v<T, __nv_bfloat16> && vec == kPack<T> && (u == 2 || u == 4 || u == 8)) return u;
-  return RowsInFlight(kind);
+  if (u == 2 || u == 4 || u == 8) return u;
+  return kind == kBdrBwd && hidden <= 2048 ? 2 : RowsInFlight(kind);
 }
 
 // Forward grids are one resident wave (each block strides over rows) unless the
@@ -300,7 +313,7 @@ void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
 template <typename T, int KIND, int ACT, bool DROP>
 void LaunchOne(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
   constexpr int kDefault = RowsInFlight(KIND);
-  const int u = RowsFor<T>(KIND, sh.vec);
+  const int u = RowsFor<T>(KIND, sh.vec, k.hidden);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (u != kDefault) {
       if (u == 2) return LaunchRows<T, KIND, ACT, DROP, 2>(sh, k, stream);
@@ -339,7 +352,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   }
   if (a.max_parts < 1) return cudaErrorInvalidValue;
   const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
-  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec), std::min<int64_t>(a.max_parts, 2 * SmCount()));
+  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden), std::min<int64_t>(a.max_parts, 2 * SmCount()));
   KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
@@ -349,7 +362,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
     err = LaunchAct<T, KIND>(a.activation, sh, k, stream);
   }
   if (err != cudaSuccess) return err;
-  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, 16), 0, stream>>>(a.partials, (int)sh.grid.x,
+  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, kFoldLanes), 0, stream>>>(a.partials, (int)sh.grid.x,
                                                                                    a.hidden, a.dbias);
   return cudaGetLastError();
 }
@@ -360,7 +373,7 @@ template <typename T>
 cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
-  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec), INT32_MAX);
+  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec, a.hidden), INT32_MAX);
   KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
   LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, stream);
   return cudaGetLastError();
@@ -370,7 +383,7 @@ template <typename T>
 cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
-  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec), INT32_MAX);
+  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec, a.hidden), INT32_MAX);
   KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
   return LaunchAct<T, kActFwd>(a.activation, sh, k, stream);
 }
