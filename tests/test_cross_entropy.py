@@ -328,15 +328,38 @@ def test_gpu_linear_cross_entropy_matches_unfused(use_bias, eps, ignore):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads", [256, 1024])
+@pytest.mark.parametrize("option,value", [("cross_entropy_threads", 256), ("cross_entropy_threads", 1024),
+                                          ("cross_entropy_pipeline", 1)])
 @pytest.mark.parametrize("vocab", [50257, 128256])
-def test_gpu_thread_count_options_compute_the_same(threads, vocab):
-    """The launch variants a benchmark may time (cross_entropy_threads) give the default's
-    loss within float32 summation noise and its gradient within an ulp of bfloat16."""
+def test_gpu_launch_options_compute_the_same(option, value, vocab):
+    """The launch variants a benchmark may time (thread counts; the row-per-block kernel
+    instead of the row-staging one at 50257) give the default's loss within float32
+    summation noise and its gradient within an ulp of bfloat16."""
     from numerics import assert_bf16_close, under_kernel_option
-    x, y = _data(22, (67,), vocab, dtype=jnp.bfloat16)
+    x, y = _data(22, (267,), vocab, dtype=jnp.bfloat16)
     prog = jax.jit(jax.value_and_grad(lambda x: cross_entropy(x, y, reduction="sum")[0]))
     want = jax.block_until_ready(prog(x))
-    got = under_kernel_option("cross_entropy_threads", threads, prog, x)
+    got = under_kernel_option(option, value, prog, x)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
     assert_bf16_close(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [300, 5])
+def test_gpu_special_rows_of_the_row_staging_kernel(rows):
+    """At 50257 columns (the row-staging kernel): an ignored row gives loss 0 and a zero
+    gradient row, a label outside the vocabulary a NaN loss and a NaN gradient row, and
+    the rows around them are untouched by either (rows > SMs: each block stages several)."""
+    x, y = _data(23, (rows,), 50257, dtype=jnp.bfloat16)
+    y = y.at[1].set(-100).at[3].set(50257)
+    f = jax.jit(lambda x: jax.vjp(lambda x: cross_entropy(x, y, ignore_index=-100)[0], x))
+    loss, vjp = f(x)
+    (g,) = jax.jit(vjp)(jnp.ones(y.shape, F32))
+    loss, g = np.asarray(loss, np.float64), np.asarray(g, np.float64)
+    assert loss[1] == 0 and not np.any(g[1])
+    assert np.isnan(loss[3]) and np.all(np.isnan(g[3]))
+    keep = np.ones(rows, bool)
+    keep[[1, 3]] = False
+    tl, tg, _ = _truth(np.asarray(x[keep].astype(F32)), y[keep])
+    np.testing.assert_allclose(loss[keep], tl, rtol=1e-4)
+    assert np.max(np.abs(g[keep] - tg)) <= 2 ** -8

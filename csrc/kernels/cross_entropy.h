@@ -33,6 +33,11 @@ struct ScaleArgs {
 
 template <typename T>
 cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream);
+// The row-staging loss+gradient kernel (cross_entropy_staged.cu): 16-bit logits with
+// 16k to 56k columns on sm_90+. Returns false, launching nothing, where it does not
+// apply; else true with the launch status in *err.
+template <typename T>
+bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cudaError_t* err);
 template <typename T>
 cudaError_t LaunchScale(const ScaleArgs& a, cudaStream_t stream);
 
