@@ -2,7 +2,7 @@
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models]...   (default: tests bench)
-# Env: PACK_TO, TEST_FILES, BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+# Env: PACK_TO, TEST_FILES, SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,18 +78,25 @@ for step in $STEPS; do
       run_sweep() {  # name, module, args...
         local name=$1 mod=$2; shift 2
         mkdir -p "$OUT/sweep_$name"
-        timeout ${SWEEP_TIMEOUT:-200} $PY -m bench.$mod --out "$OUT/sweep_$name" --dtypes bfloat16 "$@" \
+        timeout ${SWEEP_TIMEOUT:-200} $PY -m bench.$mod --out "$OUT/sweep_$name" "$@" \
           >"$OUT/sweep_$name.log" 2>&1
         summary+=("sweep $name: exit $?")
+        pack
       }
-      run_sweep dropout bench_dropout --reps 30 \
-        --only bias_dropout_residual:fwd,bias_dropout_residual:bwd,bias_act_dropout_gelu:fwd,bias_act_dropout_gelu:bwd \
-        --variants \
-        dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8,dropout_full_grid=1,dropout_rows_in_flight=2+dropout_full_grid=1
-      run_sweep softmax bench_softmax --reps 30 --variants softmax_elems=32
-      run_sweep cross_entropy bench_cross_entropy --reps 30 --no-lce --variants cross_entropy_threads=256,cross_entropy_threads=1024
-      run_sweep layer_norm_bwd bench_layer_norm --reps 30 --only layer_norm:bwd,layer_norm:fwd+bwd \
-        --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32
+      for name in ${SWEEPS:-cross_entropy dropout optim}; do
+        case $name in
+          cross_entropy) run_sweep cross_entropy bench_cross_entropy --dtypes bfloat16 --reps 30 \
+                           --variants cross_entropy_pipeline=1 ;;
+          dropout) run_sweep dropout bench_dropout --dtypes bfloat16 --reps 30 \
+                     --only bias_dropout_residual:bwd,bias_act_dropout_gelu:fwd \
+                     --variants dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8 ;;
+          optim) run_sweep optim bench_optim --parts update \
+                   --variants optim_update_shape=1,optim_update_shape=2,optim_update_shape=3 ;;
+          softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;
+          layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
+                            --only layer_norm:bwd,layer_norm:fwd+bwd --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32 ;;
+        esac
+      done
       summary+=("sweeps: $(( $(date +%s) - t0 )) s")
       pack
       ;;
