@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (check_heads, check_hidden, check_rate, draw_key, matmul,
@@ -118,6 +119,18 @@ class MultiHeadAttention(nnx.Module):
         return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
                          axis=-3)
 
+    def _project_parts(self, x, linear, parts):
+        """``x @ kernel + bias`` split into `parts` (batch, len, heads, head_dim) arrays,
+        as one GEMM per part on a column slice of the kernel: slicing the kernel (and
+        joining its gradient) moves hidden x hidden weights, where slicing the fused
+        output (and concatenating the three activation gradients in the backward) moves
+        batch x len x hidden activations each time."""
+        kernel, bias = linear.kernel[...], linear.bias[...]
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        h = self.hidden_size
+        return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
+            *x.shape[:-1], self.num_heads, self.head_dim) for i in range(parts)]
+
     def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, key=None,
                 deterministic=True):
         """Attention output before the ``out`` projection: (batch, q_len, hidden).
@@ -127,8 +140,7 @@ class MultiHeadAttention(nnx.Module):
         """
         check_hidden("MultiHeadAttention", x, self.hidden_size)
         if self.self_attention:
-            y = self.qkv(x)
-            q, k, v = (t[..., 0, :, :] for t in self._split(y, 3))
+            q, k, v = self._project_parts(x, self.qkv, 3)
         else:
             q = self.q(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             if kv is None:
