@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import jax
@@ -67,6 +68,33 @@ def timed(fn, args, reps, k):
         times.append((time.perf_counter() - t0) * 1e3 / k)
     t = np.asarray(times)
     return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
+
+
+def device_profile(fn, args, k, label, top=6):
+    """CUPTI device time per step of fn(*args) -> args (k steps a call): (total ms, ms of
+    the kernels whose name holds "UpdateKernel"); prints the `top` kernels to stderr.
+    (None, None) where torch/CUPTI is unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:
+        return None, None
+    calls = 3
+    try:
+        args = jax.block_until_ready(fn(*args))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                args = fn(*args)
+            jax.block_until_ready(args)
+        events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
+    except Exception:
+        return None, None
+    steps = calls * k
+    total = sum(e.device_time_total for e in events) / steps / 1e3
+    update = sum(e.device_time_total for e in events if "UpdateKernel" in e.key) / steps / 1e3
+    print(f"{label}: device {total:.4f} ms per step", file=sys.stderr)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / steps / 1e3:8.4f} ms x{e.count / steps:<5.2f} {e.key[:100]}", file=sys.stderr)
+    return total, update
 
 
 def timed_interleaved(variants, reps, rounds=10):
@@ -138,12 +166,20 @@ def bench_update(rows, shapes, reps, k, flush):
         results = {}
         tx_optax = optax.adamw(LR, B1, B2, EPS, weight_decay=WD)
         optax_bpp = 7 * esize  # g, p, m, v read; p, m, v written, all in the param dtype
-        results["optax"] = (timed(loop(optax_step(tx_optax), k), (params, tx_optax.init(params), grads), reps, k),
+        dev = {}
+
+        def run(name, fn, args):
+            """Host-timed per-step figures, and the device time per step (CUPTI)."""
+            t = timed(fn, args, reps, k)
+            dev[name] = device_profile(fn, args, k, f"{mode} {name}")
+            return t
+
+        results["optax"] = (run("optax", loop(optax_step(tx_optax), k), (params, tx_optax.init(params), grads)),
                             optax_bpp)
         del params
         tx = optim.adamw(LR, B1, B2, EPS, weight_decay=WD, **kw)
         p = make_tree(shapes, dt)
-        results["jax_ls2"] = (timed(loop(fused_step(tx), k), (p, tx.init(p), grads), reps, k), bpp)
+        results["jax_ls2"] = (run("jax_ls2", loop(fused_step(tx), k), (p, tx.init(p), grads)), bpp)
         del p
         for label, opts in VARIANTS:
             # A fresh program per setting, first run with the setting in place: XLA may
@@ -152,24 +188,28 @@ def bench_update(rows, shapes, reps, k, flush):
             p = make_tree(shapes, dt)
             set_kernel_options(opts)
             try:
-                results[f"jax_ls2[{label}]"] = (timed(loop(fused_step(tx), k), (p, tx.init(p), grads), reps, k),
-                                                bpp)
+                results[f"jax_ls2[{label}]"] = (run(f"jax_ls2[{label}]", loop(fused_step(tx), k),
+                                                    (p, tx.init(p), grads)), bpp)
             finally:
                 set_kernel_options({name: 0 for name in opts})
             del p
         p = make_tree(shapes, dt)
         std_bpp = 4 * esize + 8 + 8 + 2 * esize + 2 * esize  # update pass + apply_updates pass
-        results["jax_ls2_std"] = (timed(loop(optax_step(tx), k), (p, tx.init(p), grads), reps, k), std_bpp)
+        results["jax_ls2_std"] = (run("jax_ls2_std", loop(optax_step(tx), k), (p, tx.init(p), grads)), std_bpp)
         del p
         if mode == "fp32":
             fp = jnp.zeros((n,), jnp.float32)
             fs = (jnp.zeros((n,)), jnp.zeros((n,)), jnp.zeros((), jnp.float32))
-            results["xla_flat"] = (timed(loop(xla_flat_step, k), (fp, fs, jnp.ones((n,)) * 1e-3), reps, k), 28)
+            results["xla_flat"] = (run("xla_flat", loop(xla_flat_step, k), (fp, fs, jnp.ones((n,)) * 1e-3)), 28)
         base = results["optax"][0][0]
         for impl, ((med, p20, p80), b) in results.items():
+            total, update = dev.get(impl, (None, None))
             rows.add(op=f"adamw_update[{b}B/param]", shape=shape_s, dtype=mode, **{"pass": "update"}, impl=impl,
                      ms_median=med, ms_p20=p20, ms_p80=p80, gbytes=b * n / 1e9,
-                     speedup_vs_xla=round(base / med, 3))
+                     speedup_vs_xla=round(base / med, 3), device_ms=total)
+            if update:  # the fused update kernel alone, without the step's small XLA kernels
+                rows.add(op=f"adamw_update[{b}B/param]", shape=shape_s, dtype=mode, **{"pass": "update_kernel"},
+                         impl=impl, device_ms=update, gbytes=b * n / 1e9)
         flush()
 
 
