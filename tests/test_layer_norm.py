@@ -156,6 +156,31 @@ def test_shard_map():
 
 
 @pytest.mark.skipif(not jax_ls2.cuda_available(), reason="extension not built")
+def test_return_input_variant_adds_the_other_gradient_of_x():
+    x, g, b, _ = inputs((5, 96), seed=4)
+    y, x_out = layer_norm(x, g, b, return_input=True)
+    assert x_out is x or np.array_equal(x_out, x)
+    np.testing.assert_allclose(y, plain_layer_norm(x, g, b), rtol=2e-5, atol=2e-5)
+    w1, w2 = jax.random.normal(jax.random.key(2), (2, 5, 96))
+
+    def ours(x, g, b):  # a pre-LN block: the residual branch uses the returned x
+        y, x_out = layer_norm(x, g, b, return_input=True)
+        return jnp.sum(y * w1) + jnp.sum(jnp.sin(x_out) * w2)
+
+    def plain(x, g, b):
+        return jnp.sum(plain_layer_norm(x, g, b) * w1) + jnp.sum(jnp.sin(x) * w2)
+
+    for o, p in zip(jax.grad(ours, (0, 1, 2))(x, g, b), jax.grad(plain, (0, 1, 2))(x, g, b)):
+        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-4)
+    # The other use's gradient goes into the backward kernel (no separate add).
+    text = cuda_lowering_text(jax.grad(ours), x, g, b)
+    assert "jax_ls2_layer_norm_fwd" in text and "jax_ls2_add_layer_norm_bwd" in text
+    with pytest.raises(ValueError, match="layer_norm: return_input applies without residual"):
+        layer_norm(x, g, b, residual=x, return_input=True)
+    with pytest.raises(TypeError, match="layer_norm: return_input must be a Python bool"):
+        layer_norm(x, g, b, return_input=1)
+
+
 def test_lowering_for_cuda_reaches_the_kernels():
     x, g, b, r = inputs((4, 64), seed=7)
     text = cuda_lowering_text(jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b)), (0, 1, 2)), x, g, b)

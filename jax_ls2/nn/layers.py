@@ -22,7 +22,9 @@ class LayerNorm(nnx.Module):
 
     Params ``scale`` (ones) and ``bias`` (zeros), shape (num_features,), as ``nnx.LayerNorm``.
     x: (..., num_features); statistics fp32; output in ``dtype`` (None: promote x and params).
-    ``__call__(x, residual=r)`` returns (LN(x + r), x + r).
+    ``__call__(x, residual=r)`` returns (LN(x + r), x + r); ``__call__(x, return_input=True)``
+    returns (LN(x), x) in the compute dtype, for a residual branch whose gradient the
+    backward kernel then adds (see ``ops.layer_norm``).
     """
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-5, dtype=None,
@@ -32,14 +34,14 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
 
-    def __call__(self, x, residual=None):
+    def __call__(self, x, residual=None, *, return_input: bool = False):
         check_hidden("LayerNorm", x, self.num_features)
         dtype = self.dtype or dtypes.promote_dtype((x, self.scale[...]), dtype=None)[0].dtype
         x = x.astype(dtype)
         if residual is not None:
             residual = residual.astype(dtype)
         return ops.layer_norm(x, self.scale[...], self.bias[...], eps=self.epsilon,
-                              residual=residual)
+                              residual=residual, return_input=return_input)
 
 
 class Dropout(nnx.Module):
@@ -102,7 +104,7 @@ class _Block(nnx.Module):
 
     def _residual(self, sub, x, ln, det, key):
         """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias)."""
-        h = ln(x) if self.pre_layer_norm else x
+        h, x = ln(x, return_input=True) if self.pre_layer_norm else (x, x)
         y, b = sub(h)
         out = ops.bias_dropout_residual(y, b, x.astype(y.dtype), rate=self.hidden_dropout,
                                         key=key, deterministic=det)

@@ -149,7 +149,28 @@ def _add_layer_norm_bwd(eps, res, cts):
 _add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd, optimize_remat=True)
 
 
-def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm_keep_input(x, gamma, beta, eps):
+    return _FWD(x, gamma, beta, eps=eps)[0], x
+
+
+def _layer_norm_keep_input_fwd(x, gamma, beta, eps):
+    y, mean, rstd = _FWD(x, gamma, beta, eps=eps)
+    return (y, x), (x, gamma, mean, rstd)
+
+
+def _layer_norm_keep_input_bwd(eps, res, cts):
+    # The gradient reaching x through its other uses is added inside the kernel.
+    x, gamma, mean, rstd = res
+    dy, dx_other = cts
+    dx, dg, db = _ADD_BWD(dy, dx_other, x, gamma, mean, rstd)
+    return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
+
+
+_layer_norm_keep_input.defvjp(_layer_norm_keep_input_fwd, _layer_norm_keep_input_bwd, optimize_remat=True)
+
+
+def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input: bool = False):
     """LayerNorm over the last axis: ``(s - mean) / sqrt(var + eps) * gamma + beta``.
 
     Args:
@@ -160,9 +181,13 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None):
       residual: optional ``(..., hidden)`` in ``x.dtype``; then ``s = x + residual``
         (rounded to ``x.dtype``) is normalised instead of ``x``.
 
+      return_input: without ``residual``, return ``(y, x)``: a pre-LN block that feeds
+        the returned ``x`` to its residual branch gets the gradient of that branch added
+        to ``dx`` inside the backward kernel instead of by a separate elementwise add.
+
     Returns:
       ``y`` of ``x``'s shape and dtype; with ``residual``, the pair ``(y, s)`` so the
-      sum can feed the next residual branch.
+      sum can feed the next residual branch; with ``return_input``, ``(y, x)``.
 
     Statistics (mean, rstd) and every accumulation are float32. The backward pass
     keeps ``x`` (or ``s``), ``gamma`` and the float32 mean and rstd per row.
@@ -180,9 +205,15 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None):
         raise ValueError(f"{op}: eps must be a positive Python float, got {eps!r}")
     gamma = gamma.astype(x.dtype)
     beta = beta.astype(x.dtype)
+    if not isinstance(return_input, bool):
+        raise TypeError(f"{op}: return_input must be a Python bool, got {type(return_input).__name__}")
     if residual is None:
         x, gamma, beta = match_varying(x, gamma, beta)
+        if return_input:
+            return _layer_norm_keep_input(x, gamma, beta, float(eps))
         return _layer_norm(x, gamma, beta, float(eps))
+    if return_input:
+        raise ValueError(f"{op}: return_input applies without residual (with residual, the sum is returned)")
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
