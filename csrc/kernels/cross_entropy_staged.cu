@@ -5,8 +5,11 @@
 // buffers in shared memory: while it reduces row k and writes its gradient, the bulk-copy
 // engine (cp.async.bulk, completion on an mbarrier) already loads row k + 1 into the other
 // buffer, so every logit crosses DRAM once and the loads of the next row overlap the
-// arithmetic and the stores of this one. The row's 16-byte-aligned body is staged; the
-// few elements before and after it are read from global memory directly.
+// arithmetic and the stores of this one. The gradient overwrites the staged row and
+// leaves as one bulk copy too, which drains while the next row is reduced: DRAM stays
+// busy through the reductions, which otherwise only the prefetch would keep it. The
+// row's 16-byte-aligned body is staged; the few elements before and after it are read
+// and written directly.
 //
 // Per row: max over the row; d = sum exp2(x * log2e - m * log2e) and sum x; then
 //   grad = s * (p * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab),  p = exp(x - m) / d
@@ -45,6 +48,27 @@ __device__ __forceinline__ void BulkLoadArrive(void* dst, const void* src, uint3
 #endif
 }
 
+// Shared -> global bulk copy of `bytes` (16-byte aligned, a multiple of 16) as one bulk
+// group; the shared memory may be rewritten once BulkStoreWaitRead says it was read.
+__device__ __forceinline__ void BulkStore(void* dst, const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(SmemAddr(src)),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void BulkStoreWaitRead() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void BulkStoreWaitAll() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done = 0;
@@ -73,7 +97,9 @@ __device__ __forceinline__ RowSplit<T> SplitRow(const T* x, int vocab) {
   return {head, nvec, vocab - head - nvec * kW};
 }
 
-template <typename T>
+// BULK_STORE: the gradient overwrites the staged row in shared memory and goes out as one
+// bulk copy, which drains while the next row is reduced (else: 16-byte stores as computed).
+template <typename T, bool BULK_STORE>
 __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(CrossEntropyArgs a, int buf_packs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kW = kPack<T>;
@@ -104,9 +130,12 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
   const float off = eps / static_cast<float>(vocab), on = 1.f - eps;
   for (int k = 0; row < a.rows; ++k, row += stride) {
     const int b = k & 1;
-    // The other buffer was last read by row k - 1, which every thread finished before
-    // the barrier that ended the previous iteration.
-    if (tid == 0 && row + stride < a.rows) issue(row + stride, b ^ 1);
+    // The other buffer was last read by row k - 1: by every thread before the barrier
+    // that ended the previous iteration, and by that row's bulk store once it says so.
+    if (tid == 0 && row + stride < a.rows) {
+      if constexpr (BULK_STORE) BulkStoreWaitRead();
+      issue(row + stride, b ^ 1);
+    }
 
     const T* x = static_cast<const T*>(a.logits) + row * a.ld;
     T* g = static_cast<T*>(a.grad) + row * a.ld;
@@ -121,7 +150,7 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
     const float edge_x = tid < edge ? ToFloat(x[edge_col]) : -INFINITY;
 
     MbarWait(&bars[b], static_cast<uint32_t>(k >> 1) & 1u);
-    const PackT* buf = staged + b * buf_packs;
+    PackT* buf = staged + b * buf_packs;
 
     if (ignored) {
       if (tid == 0 && a.loss != nullptr) a.loss[row] = 0.f;
@@ -191,9 +220,22 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
         const float gv = fmaf(q, exp2f(fmaf(ToFloat(pk.v[j]), kLog2e, -mb)), -soff);
         o.v[j] = FromFloat<T>(c0 + j == lab ? gv - son : gv);
       }
-      gb[i] = o;
+      if constexpr (BULK_STORE) {
+        buf[i] = o;
+      } else {
+        gb[i] = o;
+      }
     }
-    __syncthreads();
+    if constexpr (BULK_STORE) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes above, seen by the bulk copy
+      __syncthreads();
+      if (tid == 0 && sp.nvec > 0) BulkStore(gb, buf, static_cast<uint32_t>(sp.nvec) * 16u);
+    } else {
+      __syncthreads();
+    }
+  }
+  if constexpr (BULK_STORE) {
+    if (tid == 0) BulkStoreWaitAll();
   }
 #endif
 }
@@ -206,8 +248,10 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     return false;
   } else {
     *err = cudaSuccess;
-    // Off when asked, or when a thread count is asked of the row-per-block kernel.
-    if (GetKernelOption(kCrossEntropyPipeline) == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
+    // Off when asked (1), or when a thread count is asked of the row-per-block kernel;
+    // 2 keeps the staging but stores the gradient as it is computed.
+    const int mode = GetKernelOption(kCrossEntropyPipeline);
+    if (mode == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
     if (a.grad == nullptr || a.rows == 0) return false;
     // Rows short enough that many blocks per SM do better, or too long to stage twice.
     const size_t buf_packs = static_cast<size_t>(a.vocab) / kPack<T> + 1;
@@ -215,9 +259,10 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     // The row stride keeps the body of every row and of its gradient 16-byte aligned alike.
     const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
     if ((xa & 15) != (ga & 15)) return false;
-    auto kernel = CrossEntropyStagedKernel<T>;
+    auto kernel = mode == 2 ? CrossEntropyStagedKernel<T, false> : CrossEntropyStagedKernel<T, true>;
     // The code that runs must be built for sm_90+ (an sm_80-only build JITs an empty body).
-    static const bool hopper = [kernel] {
+    static const bool hopper = [] {
+      auto kernel = CrossEntropyStagedKernel<T, true>;
       cudaFuncAttributes attr;
       if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
         cudaGetLastError();
