@@ -72,29 +72,28 @@ def timed(fn, args, reps, k):
 
 def device_profile(fn, args, k, label, top=6):
     """CUPTI device time per step of fn(*args) -> args (k steps a call): (total ms, ms of
-    the kernels whose name holds "UpdateKernel"); prints the `top` kernels to stderr.
-    (None, None) where torch/CUPTI is unavailable."""
+    the kernels whose name holds "UpdateKernel", the last args: fn donates its inputs);
+    prints the `top` kernels to stderr. The times are None where torch/CUPTI is unavailable."""
+    args = jax.block_until_ready(fn(*args))
     try:
         from torch.profiler import ProfilerActivity, profile
     except Exception:
-        return None, None
+        return None, None, args
     calls = 3
-    try:
-        args = jax.block_until_ready(fn(*args))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                args = fn(*args)
-            jax.block_until_ready(args)
-        events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
-    except Exception:
-        return None, None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            args = fn(*args)
+        jax.block_until_ready(args)
+    events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
+    if not events:
+        return None, None, args
     steps = calls * k
     total = sum(e.device_time_total for e in events) / steps / 1e3
     update = sum(e.device_time_total for e in events if "UpdateKernel" in e.key) / steps / 1e3
     print(f"{label}: device {total:.4f} ms per step", file=sys.stderr)
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / steps / 1e3:8.4f} ms x{e.count / steps:<5.2f} {e.key[:100]}", file=sys.stderr)
-    return total, update
+    return total, update, args
 
 
 def timed_interleaved(variants, reps, rounds=10):
@@ -170,9 +169,9 @@ def bench_update(rows, shapes, reps, k, flush):
 
         def run(name, fn, args):
             """Host-timed per-step figures, and the device time per step (CUPTI)."""
-            t = timed(fn, args, reps, k)
-            dev[name] = device_profile(fn, args, k, f"{mode} {name}")
-            return t
+            total, update, args = device_profile(fn, args, k, f"{mode} {name}")
+            dev[name] = (total, update)
+            return timed(fn, args, reps, k)
 
         results["optax"] = (run("optax", loop(optax_step(tx_optax), k), (params, tx_optax.init(params), grads)),
                             optax_bpp)
