@@ -88,8 +88,8 @@ for step in $STEPS; do
           cross_entropy) run_sweep cross_entropy bench_cross_entropy --dtypes bfloat16 --reps 30 \
                            --variants cross_entropy_pipeline=1,cross_entropy_pipeline=2 ;;
           dropout) run_sweep dropout bench_dropout --dtypes bfloat16 --reps 30 \
-                     --only bias_dropout_residual:bwd,bias_act_dropout_gelu:fwd \
-                     --variants dropout_rows_in_flight=2,dropout_rows_in_flight=4,dropout_rows_in_flight=8 ;;
+                     --only bias_dropout_residual:bwd,bias_act_dropout_gelu:bwd \
+                     --variants dropout_bwd_blocks_per_sm=3,dropout_bwd_blocks_per_sm=4,dropout_rows_in_flight=4+dropout_bwd_blocks_per_sm=4 ;;
           optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} \
                    --variants "${OPTIM_VARIANTS-optim_update_shape=1,optim_update_shape=2,optim_update_shape=3}" ;;
           softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;

@@ -413,12 +413,15 @@ def test_gpu_deterministic_exact():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("option,value", [("dropout_rows_in_flight", 2), ("dropout_rows_in_flight", 4),
-                                          ("dropout_rows_in_flight", 8), ("dropout_full_grid", 1)])
+                                          ("dropout_rows_in_flight", 8), ("dropout_full_grid", 1),
+                                          ("dropout_bwd_blocks_per_sm", 3), ("dropout_bwd_blocks_per_sm", 4)])
 def test_gpu_launch_options_compute_the_same(option, value):
     """The launch variants a benchmark may time give the default's results: outputs and
     dx bit for bit, dbias (summed over another grid) within an ulp of bfloat16."""
     from numerics import assert_bf16_close, under_kernel_option
-    x, b, r, dy = _inputs((1031, 768), jnp.bfloat16)
+    # Enough rows that a backward grid of 3 or 4 blocks per SM has work for each block.
+    rows = 8193 if option == "dropout_bwd_blocks_per_sm" else 1031
+    x, b, r, dy = _inputs((rows, 768), jnp.bfloat16)
     key = jax.random.key(12)
 
     def both(x, b, r, dy):
