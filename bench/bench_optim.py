@@ -2,7 +2,7 @@
 (199 leaves, 109.5M params), and its share of a full jitted BERT-base train step.
 
     python -m bench.bench_optim --out DIR [--parts update,train] [--batch 32 --seq 512] [--small]
-        [--variants optim_update_shape=1,optim_update_shape=2]
+        [--variants <option>=<value>,...]
 
 update: the update alone, K steps inside one jitted ``fori_loop`` with params and state
   donated (in place), per-step median/p20/p80 over >= 50 repetitions; GB/s counts the
@@ -276,7 +276,7 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="a tiny pytree (smoke test on the CPU)")
     ap.add_argument("--variants", default="",
                     help='kernel options under which the update is timed again beside the default, e.g. '
-                         '"optim_update_shape=1,optim_update_shape=3" (rows "jax_ls2[<variant>]")')
+                         '"<option>=<value>,<option>=<value>" (rows "jax_ls2[<variant>]")')
     args = ap.parse_args(argv)
     VARIANTS.extend(parse_variants(args.variants))
     rows = Rows()

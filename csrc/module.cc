@@ -26,7 +26,6 @@ PYBIND11_MODULE(_C, m) {
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
         {"dropout_bwd_blocks_per_sm", jax_ls2::kDropoutBwdBlocksPerSm},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
-        {"optim_update_shape", jax_ls2::kOptimUpdateShape},
     };
     for (const auto& [n, o] : names) {
       if (name == n) {

@@ -35,7 +35,6 @@ enum KernelOption : int {
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kDropoutBwdBlocksPerSm,    // "dropout_bwd_blocks_per_sm": 3 or 4 resident backward blocks per SM instead of 2
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging kernel off, 2 = its bulk-store variant
-  kOptimUpdateShape,         // "optim_update_shape": launch shape of the fused update (see optimizer_update.cuh)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

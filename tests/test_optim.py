@@ -430,60 +430,6 @@ def test_gpu_compiled_program_calls_the_kernel():
     assert hlo.count("jax_ls2_optim_update") >= 1
 
 
-# Launch shapes of the fused update (kernel option "optim_update_shape"): pytrees whose
-# params and grads share one dtype, so the variants run instead of falling back to shape 0.
-UPDATE_SHAPE_MODES = {
-    "fp32": (lambda: optim.adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0, skip_nonfinite=True), jnp.float32),
-    "bf16_sr": (lambda: optim.adamw(1e-2, weight_decay=0.1, stochastic_rounding=True, seed=5,
-                                    skip_nonfinite=True), jnp.bfloat16),
-    "bf16_moments": (lambda: optim.adam(1e-2, moment_dtype=jnp.bfloat16), jnp.bfloat16),
-}
-# Odd sizes: partial groups and chunks (4096 elements), leaves of several chunks, an empty
-# leaf, and a leaf of 751 chunks so that one-wave grids give blocks several chunks each.
-UPDATE_SHAPE_LEAVES = [(), (7,), (1031,), (4097,), (0,), (33, 17), (8192,), (3, 4099), (1500, 2049), (5,)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", sorted(UPDATE_SHAPE_MODES))
-@pytest.mark.parametrize("shape", [1, 2, 3])
-def test_gpu_update_launch_shapes_compute_the_same(monkeypatch, mode, shape):
-    """Each optim_update_shape gives the default's new params, updates and state bit for
-    bit, over three steps (the second skipped for a NaN where the config checks)."""
-    from numerics import under_kernel_option
-    monkeypatch.setenv("JAX_LS2_IMPL", "cuda")
-    make_tx, dt = UPDATE_SHAPE_MODES[mode]
-    tx = make_tx()
-    rng = np.random.default_rng(31)
-    params = {f"w{i}": jnp.asarray(rng.normal(size=s), jnp.float32).astype(dt)
-              for i, s in enumerate(UPDATE_SHAPE_LEAVES)}
-    gs = [grads_at(params, t) for t in range(3)]
-    gs[1] = dict(gs[1], w3=gs[1]["w3"].at[5].set(jnp.nan))
-
-    def steps(p, s, gs):
-        """Three fused steps (new params) and three update-only steps (updates)."""
-        pa, sa, sb, ups = p, s, s, []
-        for g in gs:
-            pa, sa = optim.apply_updates(tx, g, sa, pa)
-            u, sb = tx.update(g, sb, p)
-            ups.append(u)
-        return pa, sa, ups, sb
-
-    state = tx.init(params)
-    want = jax.block_until_ready(jax.jit(steps)(params, state, gs))
-    got = under_kernel_option("optim_update_shape", shape, steps, params, state, gs)
-    wl, gl = jax.tree.leaves(want), jax.tree.leaves(got)
-    assert len(wl) == len(gl)
-    moved = 0
-    for w, g in zip(wl, gl):
-        assert w.dtype == g.dtype and w.shape == g.shape
-        w, g = np.asarray(w), np.asarray(g)
-        if jnp.issubdtype(w.dtype, jnp.floating):
-            w, g = w.astype(np.float32), g.astype(np.float32)
-        np.testing.assert_array_equal(g, w)
-        moved += w.size
-    assert moved > 3 * 1500 * 2049  # the big leaf's params, updates and moments were compared
-
-
 # ---------------------------------------------------------------- convergence
 def _mlp_loss(params, x, y):
     h = x.astype(params["w1"].dtype)

@@ -8,7 +8,6 @@
 //   u += wd * p (leaves with the decay flag);  upd = u * (-lr);  p' = p + upd
 #include "kernels/optimizer_device.cuh"
 #include "kernels/optimizer_update.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace optim {
@@ -130,11 +129,10 @@ cudaError_t LaunchNormFinalize(const float* partial, int launches, const float* 
 
 cudaError_t LaunchUpdate(const LeafTable& t, const StateArgs& a, cudaStream_t s) {
   if (t.chunk_start[t.n] == 0) return cudaSuccess;
-  const int shape = GetKernelOption(kOptimUpdateShape);
   if (a.flags & kMomentBf16) {
-    LaunchUpdateBf16Moments(t, a, shape, s);
+    LaunchUpdateBf16Moments(t, a, s);
   } else {
-    LaunchUpdateF32Moments(t, a, shape, s);
+    LaunchUpdateF32Moments(t, a, s);
   }
   return cudaGetLastError();
 }

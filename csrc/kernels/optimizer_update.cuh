@@ -9,29 +9,18 @@ namespace optim {
 namespace {
 
 // ---------------------------------------------------------------- update
-// Work split (shape 0, the default): the table's chunks (kChunk elements of one leaf,
-// chunk_start order) are cut into gridDim.x contiguous ranges, one per block, and the grid
-// is one resident wave (LaunchUpdateKernel), so each block reads hp/ctl/seed and finds its
-// first leaf once, then walks its leaves in order (leaf metadata read once per leaf, no
-// per-chunk search). Per chunk, thread t handles kGroupsPerChunk groups of kGroup
-// consecutive elements at t * kGroup + j * kGroupStride: 16-byte accesses (one for 16-bit
-// types, two for float32), every load of all the groups issued before any math.
-//
-// Launch shapes (kernel option "optim_update_shape"); every shape maps the same elements
-// to the same arithmetic, so results are bit-identical:
-//   0: 2 groups per step (NG = 2), __launch_bounds__(256, 2), one resident wave; param and
-//      grad dtypes dispatched per leaf (any mix).
-//   1: 1 group per step (NG = 1, two steps per chunk), __launch_bounds__(256, 4), one wave.
-//   2: NG = 2, __launch_bounds__(256, 2), one block per chunk (grid = chunks).
-//   3: NG = 1, __launch_bounds__(256, 4), one block per chunk.
-// Shapes 1..3 are compiled only for pytrees whose params and grads all share one dtype
-// (float32, bfloat16 or float16: the leaf dtype is then a template parameter); any other
-// table, and any other value, runs shape 0.
+// Work split: the table's chunks (kChunk elements of one leaf, chunk_start order) are cut
+// into gridDim.x contiguous ranges, one per block, and the grid is one resident wave
+// (LaunchUpdate), so each block reads hp/ctl/seed and finds its first leaf once, then
+// walks its leaves in order (leaf metadata read once per leaf, no per-chunk search).
+// Per chunk, thread t handles kGroupsPerChunk groups of kGroup consecutive elements at
+// t * kGroup + j * kGroupStride: 16-byte accesses (one for 16-bit types, two for float32),
+// every load of all the groups issued before any math.
 constexpr int kGroup = 8;                                     // elements per group
 constexpr int kGroupStride = kThreads * kGroup;               // 2048
 constexpr int kGroupsPerChunk = kChunk / kGroupStride;        // 2
-// Resident blocks per SM the default shape is compiled for: caps it at 128 registers,
-// which hold both groups of every array (fp32: 4 arrays x 16 floats) without spilling.
+// Resident blocks per SM the update is compiled for: caps it at 128 registers, which
+// hold both groups of every array (fp32: 4 arrays x 16 floats) without spilling.
 constexpr int kUpdateMinBlocks = 2;
 static_assert(kGroupsPerChunk * kGroupStride == kChunk, "kChunk must be a multiple of kThreads * kGroup");
 static_assert(kPad % kGroup == 0, "flat offsets must keep groups of the state buffers 16-byte aligned");
@@ -229,9 +218,9 @@ __device__ __forceinline__ void UpdateGroups(const LeafRef<P, G, M>& L, const St
 }
 
 // Elements [e0, e1) of one leaf (e0 a multiple of kChunk): whole chunks with aligned leaf
-// pointers take the vector path, NG groups per step, the rest (the leaf's last partial
-// chunk, unaligned leaves) goes group by group.
-template <int NG, typename P, typename G, typename M>
+// pointers take the vector path, the rest (the leaf's last partial chunk, unaligned
+// leaves) goes group by group.
+template <typename P, typename G, typename M>
 __device__ __forceinline__ void UpdateRange(const LeafTable& t, const StateArgs& a, const Scalars& s,
                                             const SrKey& key, int leaf, int64_t e0, int64_t e1) {
   LeafRef<P, G, M> L;
@@ -248,14 +237,7 @@ __device__ __forceinline__ void UpdateRange(const LeafTable& t, const StateArgs&
   for (int64_t c = e0; c < e1; c += kChunk) {
     const int64_t i0 = c + threadIdx.x * kGroup;
     if (aligned && c + kChunk <= e1) {
-      if constexpr (NG == kGroupsPerChunk) {
-        UpdateGroups<NG, true>(L, a, s, key, i0, kGroup, true);
-      } else {
-        static_assert(kGroupsPerChunk % NG == 0, "a chunk is whole steps");
-#pragma unroll 1
-        for (int j = 0; j < kGroupsPerChunk; j += NG)
-          UpdateGroups<NG, true>(L, a, s, key, i0 + j * kGroupStride, kGroup, true);
-      }
+      UpdateGroups<kGroupsPerChunk, true>(L, a, s, key, i0, kGroup, true);
     } else {
 #pragma unroll 1
       for (int j = 0; j < kGroupsPerChunk; ++j) {
@@ -275,25 +257,8 @@ __device__ __forceinline__ void ZeroRange(const LeafTable& t, int leaf, int64_t 
   for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads) out[i] = FromFloat<G>(0.f);
 }
 
-// Calls fn(P{}, G{}) with leaf's param and grad types: dispatched at run time when PG is
-// void, else both are PG (the caller checked that every leaf has them).
-template <typename PG, typename Fn>
-__device__ __forceinline__ void DispatchLeafTypes(const LeafTable& t, int leaf, Fn&& fn) {
-  if constexpr (std::is_void<PG>::value) {
-    DispatchType(t.ptype[leaf], [&](auto ptag) {
-      DispatchType(t.gtype[leaf], [&](auto gtag) { fn(ptag, gtag); });
-    });
-  } else {
-    fn(PG{}, PG{});
-  }
-}
-
-// M: moments dtype. PG: every leaf's param and grad dtype, or void (per-leaf dispatch).
-// NG groups per thread per step; kMinBlocks: __launch_bounds__ minimum resident blocks.
-// kFullGrid: block b does chunk b (grid = chunks); else the grid is one resident wave of
-// blocks with contiguous chunk ranges.
-template <typename M, typename PG, int NG, int kMinBlocks, bool kFullGrid>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) UpdateKernel(const LeafTable t, const StateArgs a) {
+template <typename M>
+__global__ void __launch_bounds__(kThreads, kUpdateMinBlocks) UpdateKernel(const LeafTable t, const StateArgs a) {
   const float* hp = a.hp;
   Scalars s;
   s.lr = hp[kLr]; s.b1 = hp[kB1]; s.b2 = hp[kB2]; s.omb1 = hp[kOneMinusB1]; s.omb2 = hp[kOneMinusB2];
@@ -306,16 +271,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) UpdateKernel(const LeafT
   if (skip && (a.flags & kApply)) return;  // outputs alias their inputs: nothing to write
   const SrKey key = (a.flags & kSr) ? MakeSrKey(a.seed) : SrKey{0u, 0u};
   // This block's chunks [c0, c1).
-  int c0, c1;
-  if constexpr (kFullGrid) {
-    c0 = static_cast<int>(blockIdx.x);
-    c1 = c0 + 1;
-  } else {
-    const int64_t chunks = t.chunk_start[t.n];
-    c0 = static_cast<int>(chunks * blockIdx.x / gridDim.x);
-    c1 = static_cast<int>(chunks * (blockIdx.x + 1) / gridDim.x);
-    if (c0 >= c1) return;
-  }
+  const int64_t chunks = t.chunk_start[t.n];
+  const int c0 = static_cast<int>(chunks * blockIdx.x / gridDim.x);
+  const int c1 = static_cast<int>(chunks * (blockIdx.x + 1) / gridDim.x);
+  if (c0 >= c1) return;
   for (int leaf = FindLeaf(t, c0); leaf < t.n && t.chunk_start[leaf] < c1; ++leaf) {
     const int cs = t.chunk_start[leaf];
     const int lo = max(c0, cs), hi = min(c1, t.chunk_start[leaf + 1]);
@@ -323,74 +282,38 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) UpdateKernel(const LeafT
     const int64_t e0 = static_cast<int64_t>(lo - cs) * kChunk;
     const int64_t e1 = min(static_cast<int64_t>(hi - cs) * kChunk, t.size[leaf]);
     if (skip) {
-      DispatchLeafTypes<PG>(t, leaf, [&](auto, auto gtag) {
-        using G = decltype(gtag);
+      DispatchType(t.gtype[leaf], [&](auto tag) {
+        using G = decltype(tag);
         ZeroRange<G>(t, leaf, e0, e1);
       });
       continue;
     }
-    DispatchLeafTypes<PG>(t, leaf, [&](auto ptag, auto gtag) {
+    DispatchType(t.ptype[leaf], [&](auto ptag) {
       using P = decltype(ptag);
-      using G = decltype(gtag);
-      UpdateRange<NG, P, G, M>(t, a, s, key, leaf, e0, e1);
+      DispatchType(t.gtype[leaf], [&](auto gtag) {
+        using G = decltype(gtag);
+        UpdateRange<P, G, M>(t, a, s, key, leaf, e0, e1);
+      });
     });
   }
 }
 
-template <typename M, typename PG, int NG, int kMinBlocks, bool kFullGrid>
-void LaunchUpdateShape(const LeafTable& t, const StateArgs& a, cudaStream_t s) {
-  const int64_t chunks = t.chunk_start[t.n];
-  int64_t grid = chunks;
-  if constexpr (!kFullGrid) {
-    // One resident wave (at most one block per chunk).
-    static const int per_sm = [] {
-      int n = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, UpdateKernel<M, PG, NG, kMinBlocks, kFullGrid>,
-                                                        kThreads, 0) != cudaSuccess) {
-        cudaGetLastError();
-        n = 0;
-      }
-      return n > 0 ? n : 1;
-    }();
-    grid = std::min<int64_t>(chunks, static_cast<int64_t>(per_sm) * SmCount());
-  }
-  UpdateKernel<M, PG, NG, kMinBlocks, kFullGrid>
-      <<<static_cast<int>(std::max<int64_t>(1, grid)), kThreads, 0, s>>>(t, a);
-}
 
-// Shapes 1..3 with every leaf's params and grads of type T.
-template <typename M, typename T>
-bool LaunchUniformShape(int shape, const LeafTable& t, const StateArgs& a, cudaStream_t s) {
-  switch (shape) {
-    case 1: LaunchUpdateShape<M, T, 1, 4, false>(t, a, s); return true;
-    case 2: LaunchUpdateShape<M, T, 2, 2, true>(t, a, s); return true;
-    case 3: LaunchUpdateShape<M, T, 1, 4, true>(t, a, s); return true;
-    default: return false;
-  }
-}
-
-// The dtype every leaf's params and grads share, or -1.
-inline int UniformLeafType(const LeafTable& t) {
-  const int d = t.ptype[0];
-  for (int i = 0; i < t.n; ++i)
-    if (t.ptype[i] != d || t.gtype[i] != d) return -1;
-  return d;
-}
-
-// The update of one table with launch shape `shape` (see the top of this section).
+// One resident wave of UpdateKernel<M> (at most one block per chunk): every block works
+// through a contiguous range of chunks.
 template <typename M>
-void LaunchUpdateKernel(const LeafTable& t, const StateArgs& a, int shape, cudaStream_t s) {
-  if (shape != 0) {
-    bool done = false;
-    switch (UniformLeafType(t)) {
-      case kF32: done = LaunchUniformShape<M, float>(shape, t, a, s); break;
-      case kBF16: done = LaunchUniformShape<M, __nv_bfloat16>(shape, t, a, s); break;
-      case kF16: done = LaunchUniformShape<M, __half>(shape, t, a, s); break;
-      default: break;
+void LaunchUpdateKernel(const LeafTable& t, const StateArgs& a, cudaStream_t s) {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, UpdateKernel<M>, kThreads, 0) != cudaSuccess) {
+      cudaGetLastError();
+      n = 0;
     }
-    if (done) return;
-  }
-  LaunchUpdateShape<M, void, kGroupsPerChunk, kUpdateMinBlocks, false>(t, a, s);
+    return n > 0 ? n : 1;
+  }();
+  const int64_t resident = static_cast<int64_t>(per_sm) * SmCount();
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t.chunk_start[t.n], resident)));
+  UpdateKernel<M><<<grid, kThreads, 0, s>>>(t, a);
 }
 
 }  // namespace

@@ -1,6 +1,5 @@
 // Launchers of the fused update kernel, one per moments dtype, each defined in its own
-// translation unit (optimizer_update_f32.cu, optimizer_update_bf16.cu). shape: the launch
-// shape (kernel option "optim_update_shape", see optimizer_update.cuh; 0 = default).
+// translation unit (optimizer_update_f32.cu, optimizer_update_bf16.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -9,8 +8,8 @@
 namespace jax_ls2 {
 namespace optim {
 
-void LaunchUpdateF32Moments(const LeafTable& t, const StateArgs& a, int shape, cudaStream_t s);
-void LaunchUpdateBf16Moments(const LeafTable& t, const StateArgs& a, int shape, cudaStream_t s);
+void LaunchUpdateF32Moments(const LeafTable& t, const StateArgs& a, cudaStream_t s);
+void LaunchUpdateBf16Moments(const LeafTable& t, const StateArgs& a, cudaStream_t s);
 
 }  // namespace optim
 }  // namespace jax_ls2

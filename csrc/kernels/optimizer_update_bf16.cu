@@ -5,8 +5,8 @@
 namespace jax_ls2 {
 namespace optim {
 
-void LaunchUpdateBf16Moments(const LeafTable& t, const StateArgs& a, int shape, cudaStream_t s) {
-  LaunchUpdateKernel<__nv_bfloat16>(t, a, shape, s);
+void LaunchUpdateBf16Moments(const LeafTable& t, const StateArgs& a, cudaStream_t s) {
+  LaunchUpdateKernel<__nv_bfloat16>(t, a, s);
 }
 
 }  // namespace optim

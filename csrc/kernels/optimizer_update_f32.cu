@@ -5,8 +5,8 @@
 namespace jax_ls2 {
 namespace optim {
 
-void LaunchUpdateF32Moments(const LeafTable& t, const StateArgs& a, int shape, cudaStream_t s) {
-  LaunchUpdateKernel<float>(t, a, shape, s);
+void LaunchUpdateF32Moments(const LeafTable& t, const StateArgs& a, cudaStream_t s) {
+  LaunchUpdateKernel<float>(t, a, s);
 }
 
 }  // namespace optim
