@@ -134,6 +134,33 @@ def print_top_kernels(run, state, top, steps=3):
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / steps / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}% "
               f"x{e.count // steps:<4} {e.key[:110]}", file=sys.stderr)
+    try:
+        print_idle(prof, steps)
+    except Exception as err:  # the gap summary is an aid; never fail the benchmark on it
+        print(f"(no idle summary: {err!r})", file=sys.stderr)
+
+
+def print_idle(prof, steps):
+    """Where the device waits between kernels: kernels per step, the idle time inside the
+    profiled span, and how much of it sits in gaps of 1-10 us (launch to launch) or longer
+    (the host or a synchronisation)."""
+    import numpy as np
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return
+    gaps, end = [], spans[0][1]
+    for a, b in spans[1:]:
+        if a > end:
+            gaps.append(a - end)
+        end = max(end, b)
+    gaps = np.asarray(gaps or [0.0])  # microseconds
+    idle = gaps.sum()
+    print(f"kernels per step: {len(spans) / steps:.0f}; idle {idle / steps / 1e3:.2f} ms per step of "
+          f"{(end - spans[0][0]) / steps / 1e3:.2f} ms: gaps <1 us {gaps[gaps < 1].sum() / steps / 1e3:.2f} ms, "
+          f"1-10 us {gaps[(gaps >= 1) & (gaps < 10)].sum() / steps / 1e3:.2f} ms, "
+          f">=10 us {gaps[gaps >= 10].sum() / steps / 1e3:.2f} ms ({int((gaps >= 10).sum()) / steps:.1f} per step)",
+          file=sys.stderr)
 
 
 def git_commit():
