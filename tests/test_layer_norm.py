@@ -251,6 +251,36 @@ def test_gpu_against_float64_truth(dtype, shape, fused_residual):
         assert_within_2x(names[i], gk[i], gx[i], truth_grads[i])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1025, 769), (4096, 768)])
+def test_gpu_return_input_against_float64_truth(dtype, shape):
+    """layer_norm(return_input=True) in a pre-LN pattern: dx (the LayerNorm's gradient plus
+    the residual branch's, summed in the kernel) within 2x of XLA's error."""
+    x, g, b, _ = inputs(shape, dtype, seed=5)
+    w1, w2 = (jax.random.normal(k, shape).astype(dtype) for k in jax.random.split(jax.random.key(4)))
+
+    def ours(x, g, b):
+        y, x_res = layer_norm(x, g, b, return_input=True)
+        return jnp.sum(y.astype(jnp.float32) * w1.astype(jnp.float32)) + \
+            jnp.sum(jnp.tanh(x_res.astype(jnp.float32)) * w2.astype(jnp.float32))
+
+    def xla(x, g, b):
+        return jnp.sum(plain_layer_norm(x, g, b).astype(jnp.float32) * w1.astype(jnp.float32)) + \
+            jnp.sum(jnp.tanh(x.astype(jnp.float32)) * w2.astype(jnp.float32))
+
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        args64 = [jax.device_put(jnp.asarray(f64(a)), cpu) for a in (x, g, b)]
+        a1, a2 = (jax.device_put(jnp.asarray(f64(a)), cpu) for a in (w1, w2))
+        truth = jax.grad(lambda x, g, b: jnp.sum(plain_layer_norm(x, g, b) * a1) + jnp.sum(jnp.tanh(x) * a2),
+                         (0, 1, 2))(*args64)
+    gk = jax.jit(jax.grad(ours, (0, 1, 2)))(x, g, b)
+    gx = jax.jit(jax.grad(xla, (0, 1, 2)))(x, g, b)
+    for name, k, r, t in zip(["dx", "dgamma", "dbeta"], gk, gx, truth):
+        assert_within_2x(name, k, r, t)
+
+
 @pytest.mark.sanitize
 @pytest.mark.gpu
 def test_gpu_every_output_element_written():
