@@ -6,9 +6,10 @@
 // engine (cp.async.bulk, completion on an mbarrier) already loads row k + 1 into the other
 // buffer, so every logit crosses DRAM once and the loads of the next row overlap the
 // arithmetic and the stores of this one. The row's 16-byte-aligned body is staged; the
-// few elements before and after it are read and written directly. (A variant that
-// writes the gradient back into the staged row and stores it by one bulk copy, to keep
-// DRAM busy through the next row's reductions, measured slower; launch option 2.)
+// few elements before and after it are read and written directly. (Writing the gradient
+// back into the staged row and storing it by one bulk copy, to keep DRAM busy through
+// the next row's reductions, measured slower on the H200: 68.5% against 75.4% of copy
+// bandwidth at 16384 x 50257.)
 //
 // Per row: max over the row; d = sum exp2(x * log2e - m * log2e) and sum x; then
 //   grad = s * (p * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab),  p = exp(x - m) / d
@@ -47,27 +48,6 @@ __device__ __forceinline__ void BulkLoadArrive(void* dst, const void* src, uint3
 #endif
 }
 
-// Shared -> global bulk copy of `bytes` (16-byte aligned, a multiple of 16) as one bulk
-// group; the shared memory may be rewritten once BulkStoreWaitRead says it was read.
-__device__ __forceinline__ void BulkStore(void* dst, const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(SmemAddr(src)),
-               "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void BulkStoreWaitRead() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void BulkStoreWaitAll() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done = 0;
@@ -96,11 +76,10 @@ __device__ __forceinline__ RowSplit<T> SplitRow(const T* x, int vocab) {
   return {head, nvec, vocab - head - nvec * kW};
 }
 
-// BULK_STORE: the gradient overwrites the staged row in shared memory and goes out as one
-// bulk copy (else: 16-byte stores as computed, the default). ONLINE: the max and the sum
-// of exp in one pass over the staged row (running max, rescaled sum) and one block
-// merge, instead of a max pass and a sum pass with a block reduction after each.
-template <typename T, bool BULK_STORE, bool ONLINE>
+// ONLINE: the max and the sum of exp in one pass over the staged row (running max,
+// rescaled sum) and one block merge, instead of a max pass and a sum pass with a block
+// reduction after each.
+template <typename T, bool ONLINE>
 __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(CrossEntropyArgs a, int buf_packs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kW = kPack<T>;
@@ -131,12 +110,9 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
   const float off = eps / static_cast<float>(vocab), on = 1.f - eps;
   for (int k = 0; row < a.rows; ++k, row += stride) {
     const int b = k & 1;
-    // The other buffer was last read by row k - 1: by every thread before the barrier
-    // that ended the previous iteration, and by that row's bulk store once it says so.
-    if (tid == 0 && row + stride < a.rows) {
-      if constexpr (BULK_STORE) BulkStoreWaitRead();
-      issue(row + stride, b ^ 1);
-    }
+    // The other buffer was last read by row k - 1, which every thread finished before
+    // the barrier that ended the previous iteration.
+    if (tid == 0 && row + stride < a.rows) issue(row + stride, b ^ 1);
 
     const T* x = static_cast<const T*>(a.logits) + row * a.ld;
     T* g = static_cast<T*>(a.grad) + row * a.ld;
@@ -151,7 +127,7 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
     const float edge_x = tid < edge ? ToFloat(x[edge_col]) : -INFINITY;
 
     MbarWait(&bars[b], static_cast<uint32_t>(k >> 1) & 1u);
-    PackT* buf = staged + b * buf_packs;
+    const PackT* buf = staged + b * buf_packs;
 
     if (ignored) {
       if (tid == 0 && a.loss != nullptr) a.loss[row] = 0.f;
@@ -244,22 +220,9 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
         const float gv = fmaf(q, exp2f(fmaf(ToFloat(pk.v[j]), kLog2e, -mb)), -soff);
         o.v[j] = FromFloat<T>(c0 + j == lab ? gv - son : gv);
       }
-      if constexpr (BULK_STORE) {
-        buf[i] = o;
-      } else {
-        gb[i] = o;
-      }
+      gb[i] = o;
     }
-    if constexpr (BULK_STORE) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes above, seen by the bulk copy
-      __syncthreads();
-      if (tid == 0 && sp.nvec > 0) BulkStore(gb, buf, static_cast<uint32_t>(sp.nvec) * 16u);
-    } else {
-      __syncthreads();
-    }
-  }
-  if constexpr (BULK_STORE) {
-    if (tid == 0) BulkStoreWaitAll();
+    __syncthreads();
   }
 #endif
 }
@@ -273,9 +236,7 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
   } else {
     *err = cudaSuccess;
     // Off when asked (1), or when a thread count is asked of the row-per-block kernel;
-    // 2 stores the gradient through the staged row and one bulk copy (measured slower:
-    // 68.5 % against 75.4 % of copy bandwidth at 16384 x 50257 on the H200); 3 takes the
-    // max and the sum of exp in one pass (not measured yet).
+    // 2 takes the max and the sum of exp in one pass (not measured yet).
     const int mode = GetKernelOption(kCrossEntropyPipeline);
     if (mode == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
     if (a.grad == nullptr || a.rows == 0) return false;
@@ -285,12 +246,10 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     // The row stride keeps the body of every row and of its gradient 16-byte aligned alike.
     const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
     if ((xa & 15) != (ga & 15)) return false;
-    auto kernel = mode == 2 ? CrossEntropyStagedKernel<T, true, false>
-                  : mode == 3 ? CrossEntropyStagedKernel<T, false, true>
-                              : CrossEntropyStagedKernel<T, false, false>;
+    auto kernel = mode == 2 ? CrossEntropyStagedKernel<T, true> : CrossEntropyStagedKernel<T, false>;
     // The code that runs must be built for sm_90+ (an sm_80-only build JITs an empty body).
     static const bool hopper = [] {
-      auto kernel = CrossEntropyStagedKernel<T, false, false>;
+      auto kernel = CrossEntropyStagedKernel<T, false>;
       cudaFuncAttributes attr;
       if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
         cudaGetLastError();
