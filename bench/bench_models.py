@@ -135,9 +135,24 @@ def print_top_kernels(run, state, top, steps=3):
         print(f"  {e.device_time_total / steps / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}% "
               f"x{e.count // steps:<4} {e.key[:110]}", file=sys.stderr)
     try:
+        print_kinds(events, steps)
         print_idle(prof, steps)
-    except Exception as err:  # the gap summary is an aid; never fail the benchmark on it
-        print(f"(no idle summary: {err!r})", file=sys.stderr)
+    except Exception as err:  # the summaries are an aid; never fail the benchmark on them
+        print(f"(no kind or idle summary: {err!r})", file=sys.stderr)
+
+
+def print_kinds(events, steps):
+    """Device time per step by kind of kernel: jax_ls2's, cuDNN attention, GEMMs, the rest."""
+    groups = {}
+    for e in events:
+        k = e.key
+        g = ("jax_ls2 kernels" if "jax_ls2::" in k else
+             "attention (cuDNN)" if ("cudnn" in k or "sdpa" in k or "flash" in k) else
+             "GEMM" if any(t in k for t in ("nvjet", "gemm", "cutlass", "xmma", "sm90_")) else
+             "other XLA kernels and copies")
+        groups[g] = groups.get(g, 0.0) + e.device_time_total
+    print("by kind: " + "; ".join(f"{g} {t / steps / 1e3:.2f} ms" for g, t in sorted(groups.items(), key=lambda x: -x[1])),
+          file=sys.stderr)
 
 
 def print_idle(prof, steps):
