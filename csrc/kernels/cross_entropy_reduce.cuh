@@ -67,9 +67,9 @@ __device__ __forceinline__ void Merge(float& m, float& d, float m2, float d2) {
   m = nm;
 }
 
-// Block-wide merge of (m, d) and sum of sx; every thread gets the result.
+// Warp-wide merge of (m, d) and sum of sx; every lane gets the result.
 template <typename T>
-__device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float* sh) {
+__device__ __forceinline__ void WarpMerge(float& m, float& d, float& sx) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
@@ -77,6 +77,12 @@ __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float
     sx += __shfl_xor_sync(0xffffffffu, sx, o);
     Merge<T>(m, d, m2, d2);
   }
+}
+
+// Block-wide merge of (m, d) and sum of sx; every thread gets the result.
+template <typename T>
+__device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float* sh) {
+  WarpMerge<T>(m, d, sx);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   __syncthreads();
   if (lane == 0) {
@@ -88,13 +94,7 @@ __device__ __forceinline__ void BlockReduce(float& m, float& d, float& sx, float
   m = lane < nw ? sh[lane] : -INFINITY;
   d = lane < nw ? sh[32 + lane] : 0.f;
   sx = lane < nw ? sh[64 + lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    const float d2 = __shfl_xor_sync(0xffffffffu, d, o);
-    sx += __shfl_xor_sync(0xffffffffu, sx, o);
-    Merge<T>(m, d, m2, d2);
-  }
+  WarpMerge<T>(m, d, sx);
 }
 
 }  // namespace
