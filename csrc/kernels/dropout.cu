@@ -367,8 +367,8 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
     err = LaunchAct<T, KIND>(a.activation, sh, k, stream);
   }
   if (err != cudaSuccess) return err;
-  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, kFoldLanes), 0, stream>>>(a.partials, (int)sh.grid.x,
-                                                                                   a.hidden, a.dbias);
+  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, kFoldLanes), 0, stream>>>(
+      a.partials, (int)sh.grid.x, a.hidden, a.dbias);
   return cudaGetLastError();
 }
 
