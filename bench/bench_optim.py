@@ -2,7 +2,6 @@
 (199 leaves, 109.5M params), and its share of a full jitted BERT-base train step.
 
     python -m bench.bench_optim --out DIR [--parts update,train] [--batch 32 --seq 512] [--small]
-        [--variants <option>=<value>,...]
 
 update: the update alone, K steps inside one jitted ``fori_loop`` with params and state
   donated (in place), per-step median/p20/p80 over >= 50 repetitions; GB/s counts the
@@ -10,9 +9,6 @@ update: the update alone, K steps inside one jitted ``fori_loop`` with params an
   impls: optax (optax.adamw per leaf + apply_updates), jax_ls2 (optim.apply_updates,
   one fused pass), jax_ls2_std (optim.adamw update + optax.apply_updates), xla_flat (the
   same AdamW as one XLA fusion over flat fp32 buffers: a ceiling, not a usable optimizer).
-  --variants: kernel options (bench.common.parse_variants syntax) under which jax_ls2 is
-  timed again, rows "jax_ls2[<variant>]", each in a program compiled and first run with
-  the options set (options reset to 0 afterwards).
 train: BERT-base (flax_models, plain layers, bf16 compute) train steps: a step returning
   the grads without updating, an optax.adamw step and a jax_ls2 step, same run, timed
   in interleaved rounds (a variant timed alone first came out slower than the others). The
@@ -34,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bench.common import COPY_GBPS, VARIANTS, Rows, parse_variants, set_kernel_options
+from bench.common import COPY_GBPS, Rows
 from jax_ls2 import optim
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.01, 1e-4
@@ -186,18 +182,6 @@ def bench_update(rows, shapes, reps, k, flush):
         p = make_tree(shapes, dt)
         results["jax_ls2"] = (run("jax_ls2", loop(fused_step(tx), k), (p, tx.init(p), grads)), bpp)
         del p
-        for label, opts in VARIANTS:
-            # A fresh program per setting, first run with the setting in place: XLA may
-            # capture the custom calls into a CUDA graph on a program's first run and
-            # replay it, so a program keeps the launch choices it was first run with.
-            p = make_tree(shapes, dt)
-            set_kernel_options(opts)
-            try:
-                results[f"jax_ls2[{label}]"] = (run(f"jax_ls2[{label}]", loop(fused_step(tx), k),
-                                                    (p, tx.init(p), grads)), bpp)
-            finally:
-                set_kernel_options({name: 0 for name in opts})
-            del p
         p = make_tree(shapes, dt)
         std_bpp = 4 * esize + 8 + 8 + 2 * esize + 2 * esize  # update pass + apply_updates pass
         results["jax_ls2_std"] = (run("jax_ls2_std", loop(optax_step(tx), k), (p, tx.init(p), grads)), std_bpp)
@@ -292,11 +276,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--small", action="store_true", help="a tiny pytree (smoke test on the CPU)")
-    ap.add_argument("--variants", default="",
-                    help='kernel options under which the update is timed again beside the default, e.g. '
-                         '"<option>=<value>,<option>=<value>" (rows "jax_ls2[<variant>]")')
     args = ap.parse_args(argv)
-    VARIANTS.extend(parse_variants(args.variants))
     rows = Rows()
     printed = []
 

@@ -3,7 +3,7 @@
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# OPTIM_VARIANTS (launch options for bench_optim --variants), MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
+# MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
@@ -90,8 +90,7 @@ for step in $STEPS; do
           dropout) run_sweep dropout bench_dropout --dtypes bfloat16 --reps 30 \
                      --only bias_dropout_residual:bwd,bias_act_dropout_gelu:bwd \
                      --variants dropout_bwd_blocks_per_sm=3,dropout_bwd_blocks_per_sm=4,dropout_rows_in_flight=4+dropout_bwd_blocks_per_sm=4 ;;
-          optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} \
-                   --variants "${OPTIM_VARIANTS-}" ;;
+          optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} ;;
           softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
                             --only layer_norm:bwd,layer_norm:fwd+bwd --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32 ;;
