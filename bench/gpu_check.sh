@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
-#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models]...   (default: tests bench)
+#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS, and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
+# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
@@ -51,6 +51,16 @@ for step in $STEPS; do
           -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1
         summary+=("compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
       done
+      pack
+      ;;
+    ncu)
+      # Hardware counters of the kernels short of the bar (bench/profile_kernels.py).
+      t0=$(date +%s)
+      timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name-base demangled \
+        --kernel-name "${NCU_KERNELS:-regex:jax_ls2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        $PY -m bench.profile_kernels ${NCU_ARGS:-} >"$OUT/ncu.txt" 2>&1
+      summary+=("ncu: exit $? ($(( $(date +%s) - t0 )) s), see ncu.txt")
       pack
       ;;
     bench)

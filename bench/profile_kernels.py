@@ -1,31 +1,76 @@
-"""Runs each fused op once at a large shape (and its XLA reference) so that
-`ncu` can report per-kernel device time and DRAM bytes:
+"""Runs the fused ops that are short of the bandwidth bar once each (bf16, after a
+warm-up), and their XLA references, so that Nsight Compute can read their counters:
 
-  ncu --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-      python3 -m bench.profile_kernels
+  ncu --clock-control none --kernel-name regex:'jax_ls2' --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats python3 -m bench.profile_kernels
+
+`--only NAME,...` picks cases (names below); `--xla` adds the XLA references.
 """
+from __future__ import annotations
+
+import argparse
+
 import jax
 import jax.numpy as jnp
 
-import jax_ls2.ops as ops
+from bench.bench_cross_entropy import optax_ce, ours_ce
+from bench.bench_dropout import ours_bad, ours_bdr, xla_bad, xla_bdr
 from bench.bench_layer_norm import xla_layer_norm
+from bench.bench_softmax import ours_softmax_dropout, xla_softmax_dropout
+import jax_ls2.ops as ops
+
+BF16 = jnp.bfloat16
+
+
+def _normal(key, shape, dtype=BF16):
+    return jax.random.normal(key, shape, dtype)
+
+
+def cases(with_xla: bool):
+    """name -> (jitted fn, args)."""
+    k = jax.random.split(jax.random.key(0), 8)
+    out = {}
+    # cross entropy 16384 x 50257: loss + gradient
+    x, y = _normal(k[0], (16384, 50257)), jax.random.randint(k[1], (16384,), 0, 50257)
+    out["ce"] = (jax.jit(jax.value_and_grad(ours_ce)), (x, y))
+    if with_xla:
+        out["ce_xla"] = (jax.jit(jax.value_and_grad(optax_ce)), (x, y))
+    # bias+dropout+residual and bias+GELU+dropout
+    for n, h in ((16384, 768), (8192, 4096)):
+        x, r, dy = _normal(k[2], (n, h)), _normal(k[3], (n, h)), _normal(k[4], (n, h))
+        b = _normal(k[5], (h,))
+        for name, ours, xla in (("bdr", ours_bdr, xla_bdr),):
+            for tag, f in (("", ours),) + ((("_xla", xla),) if with_xla else ()):
+                out[f"{name}_bwd_{n}x{h}{tag}"] = (
+                    jax.jit(lambda x, b, r, dy, f=f: jax.vjp(lambda x, b, r: f(x, b, r, k[6]), x, b, r)[1](dy)),
+                    (x, b, r, dy))
+        for tag, f in (("", ours_bad),) + ((("_xla", xla_bad),) if with_xla else ()):
+            out[f"gelu_fwd_{n}x{h}{tag}"] = (jax.jit(lambda x, b, f=f: f(x, b, k[6])), (x, b))
+        g = jnp.ones((h,), BF16)
+        for tag, f in (("", ops.layer_norm),) + ((("_xla", xla_layer_norm),) if with_xla else ()):
+            out[f"ln_bwd_{n}x{h}{tag}"] = (
+                jax.jit(lambda x, g, dy, f=f: jax.vjp(lambda x, g: f(x, g, g), x, g)[1](dy)), (x, g, dy))
+    # attention softmax + mask + dropout, 32 x 12 x 512 x 512
+    s, dy = _normal(k[0], (32, 12, 512, 512)), _normal(k[1], (32, 12, 512, 512))
+    mask = jnp.ones((32, 1, 1, 512), bool)
+    for tag, f in (("", ours_softmax_dropout),) + ((("_xla", xla_softmax_dropout),) if with_xla else ()):
+        out[f"softmax_fwd{tag}"] = (jax.jit(lambda s, m, f=f: f(s, m, k[7], scale=0.125)), (s, mask))
+        out[f"softmax_bwd{tag}"] = (
+            jax.jit(lambda s, m, dy, f=f: jax.vjp(lambda s: f(s, m, k[7], scale=0.125), s)[1](dy)), (s, mask, dy))
+    return out
 
 
 def main():
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    for shape in [(16384, 768), (8192, 4096)]:
-        x = jax.random.normal(k1, shape, jnp.bfloat16)
-        dy = jax.random.normal(k2, shape, jnp.bfloat16)
-        g = jnp.ones(shape[-1], jnp.bfloat16)
-        b = jnp.zeros(shape[-1], jnp.bfloat16)
-        for name, f in [("ours", ops.layer_norm), ("xla", xla_layer_norm)]:
-            fwd = jax.jit(f)
-            bwd = jax.jit(lambda x, g, b, dy, f=f: jax.vjp(f, x, g, b)[1](dy))
-            jax.block_until_ready(fwd(x, g, b))
-            jax.block_until_ready(bwd(x, g, b, dy))
-            print("profiled", name, shape, flush=True)
-    names = [n for n in ("bias_dropout_residual", "softmax_dropout") if hasattr(ops, n)]
-    print("ops present:", names)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--xla", action="store_true", help="also run the XLA references")
+    args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    for name, (fn, a) in cases(args.xla).items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        jax.block_until_ready(fn(*a))  # one call: ncu profiles each kernel launch it makes
+        print("ran", name, flush=True)
 
 
 if __name__ == "__main__":
