@@ -96,10 +96,10 @@ for step in $STEPS; do
       for name in ${SWEEPS:-cross_entropy dropout optim}; do
         case $name in
           cross_entropy) run_sweep cross_entropy bench_cross_entropy --dtypes bfloat16 --reps 30 \
-                           --variants cross_entropy_pipeline=1,cross_entropy_pipeline=2 ;;
+                           --variants cross_entropy_pipeline=1 ;;
           dropout) run_sweep dropout bench_dropout --dtypes bfloat16 --reps 30 \
                      --only bias_dropout_residual:bwd,bias_act_dropout_gelu:bwd \
-                     --variants dropout_bwd_blocks_per_sm=3,dropout_bwd_blocks_per_sm=4,dropout_rows_in_flight=4+dropout_bwd_blocks_per_sm=4 ;;
+                     --variants dropout_rows_in_flight=4 ;;
           optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} ;;
           softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \

@@ -24,7 +24,6 @@ PYBIND11_MODULE(_C, m) {
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
-        {"dropout_bwd_blocks_per_sm", jax_ls2::kDropoutBwdBlocksPerSm},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
     };
     for (const auto& [n, o] : names) {

@@ -33,8 +33,7 @@ enum KernelOption : int {
   kSoftmaxElems,             // "softmax_elems": 32 elements per thread (bfloat16, 16-byte path)
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
-  kDropoutBwdBlocksPerSm,    // "dropout_bwd_blocks_per_sm": 3 or 4 resident backward blocks per SM instead of 2
-  kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off, 2 = one-pass stats
+  kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

@@ -329,13 +329,12 @@ def test_gpu_linear_cross_entropy_matches_unfused(use_bias, eps, ignore):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("option,value", [("cross_entropy_threads", 256), ("cross_entropy_threads", 1024),
-                                          ("cross_entropy_pipeline", 1), ("cross_entropy_pipeline", 2)])
+                                          ("cross_entropy_pipeline", 1)])
 @pytest.mark.parametrize("vocab", [50257, 128256])
 def test_gpu_launch_options_compute_the_same(option, value, vocab):
     """The launch variants a benchmark may time (thread counts; the row-per-block kernel
-    instead of the row-staging one at 50257, or the staging one taking the max and the
-    sum of exp in one pass) give the default's loss within float32 summation noise and its gradient
-    within an ulp of bfloat16."""
+    instead of the row-staging one at 50257) give the default's loss within float32
+    summation noise and its gradient within an ulp of bfloat16."""
     from numerics import assert_bf16_close, under_kernel_option
     x, y = _data(22, (267,), vocab, dtype=jnp.bfloat16)
     prog = jax.jit(jax.value_and_grad(lambda x: cross_entropy(x, y, reduction="sum")[0]))

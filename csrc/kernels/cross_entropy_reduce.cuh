@@ -1,7 +1,7 @@
-// Online softmax statistics shared by the cross-entropy kernels (cross_entropy.cu and
-// cross_entropy_staged.cu): exp of shifted logits, and the running (max, sum of exp, sum
-// of logits) folded per thread and merged across a block. Internal linkage: each
-// translation unit gets its own copy.
+// Online softmax statistics of the row-per-block cross-entropy kernel (cross_entropy.cu):
+// exp of shifted logits, and the running (max, sum of exp, sum of logits) folded per
+// thread and merged across a block; cross_entropy_staged.cu takes kLog2e from here.
+// Internal linkage: each translation unit gets its own copy.
 #pragma once
 #include <type_traits>
 

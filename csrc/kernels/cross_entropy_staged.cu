@@ -76,17 +76,14 @@ __device__ __forceinline__ RowSplit<T> SplitRow(const T* x, int vocab) {
   return {head, nvec, vocab - head - nvec * kW};
 }
 
-// ONLINE: the max and the sum of exp in one pass over the staged row (running max,
-// rescaled sum) and one block merge, instead of a max pass and a sum pass with a block
-// reduction after each.
-template <typename T, bool ONLINE>
+template <typename T>
 __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(CrossEntropyArgs a, int buf_packs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kW = kPack<T>;
   using PackT = Pack<T, kW>;
   extern __shared__ __align__(16) unsigned char staged_raw[];
   __shared__ __align__(8) uint64_t bars[2];
-  __shared__ float scratch[96];
+  __shared__ float scratch[32];
   PackT* const staged = reinterpret_cast<PackT*>(staged_raw);  // buffer b at staged + b * buf_packs
   const int tid = threadIdx.x, bd = blockDim.x;
   const int vocab = static_cast<int>(a.vocab);
@@ -141,57 +138,34 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
       continue;
     }
 
-    float m, d, sx, mb;
-    if constexpr (ONLINE) {
-      // ---- max and sum of exp together (running max, sum rescaled when it grows)
-      m = -INFINITY;
-      d = 0.f;
-      sx = 0.f;
-      if (tid < edge) {
-        const float v[1] = {edge_x};
-        Accumulate<T>(v, m, d, sx);
-      }
+    // ---- max
+    float m = edge_x;
 #pragma unroll 2
-      for (int i = tid; i < sp.nvec; i += bd) {
-        const PackT pk = buf[i];
-        float v[kW];
+    for (int i = tid; i < sp.nvec; i += bd) {
+      const PackT pk = buf[i];
 #pragma unroll
-        for (int j = 0; j < kW; ++j) v[j] = ToFloat(pk.v[j]);
-        Accumulate<T>(v, m, d, sx);
-      }
-      BlockReduce<T>(m, d, sx, scratch);
-      mb = m == -INFINITY ? 0.f : m * kLog2e;
-    } else {
-      // ---- max
-      m = edge_x;
-#pragma unroll 2
-      for (int i = tid; i < sp.nvec; i += bd) {
-        const PackT pk = buf[i];
-#pragma unroll
-        for (int j = 0; j < kW; ++j) m = fmaxf(m, ToFloat(pk.v[j]));
-      }
-      m = BlockMax(m, scratch);
-      // ---- sum of exp and of the logits
-      mb = m == -INFINITY ? 0.f : m * kLog2e;  // all -inf: d = 0 and lse = -inf
-      d = 0.f;
-      sx = 0.f;
-      if (tid < edge) {
-        d = exp2f(fmaf(edge_x, kLog2e, -mb));
-        sx = edge_x;
-      }
-#pragma unroll 2
-      for (int i = tid; i < sp.nvec; i += bd) {
-        const PackT pk = buf[i];
-#pragma unroll
-        for (int j = 0; j < kW; ++j) {
-          const float v = ToFloat(pk.v[j]);
-          d += exp2f(fmaf(v, kLog2e, -mb));
-          sx += v;
-        }
-      }
-      d = BlockSum(d, scratch);
-      sx = BlockSum(sx, scratch);
+      for (int j = 0; j < kW; ++j) m = fmaxf(m, ToFloat(pk.v[j]));
     }
+    m = BlockMax(m, scratch);
+    // ---- sum of exp and of the logits
+    const float mb = m == -INFINITY ? 0.f : m * kLog2e;  // all -inf: d = 0 and lse = -inf
+    float d = 0.f, sx = 0.f;
+    if (tid < edge) {
+      d = exp2f(fmaf(edge_x, kLog2e, -mb));
+      sx = edge_x;
+    }
+#pragma unroll 2
+    for (int i = tid; i < sp.nvec; i += bd) {
+      const PackT pk = buf[i];
+#pragma unroll
+      for (int j = 0; j < kW; ++j) {
+        const float v = ToFloat(pk.v[j]);
+        d += exp2f(fmaf(v, kLog2e, -mb));
+        sx += v;
+      }
+    }
+    d = BlockSum(d, scratch);
+    sx = BlockSum(sx, scratch);
     const float lse = m + logf(d);
     const bool valid = label >= 0 && label < vocab;
     if (tid == 0 && a.loss != nullptr) {
@@ -235,10 +209,9 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     return false;
   } else {
     *err = cudaSuccess;
-    // Off when asked (1), or when a thread count is asked of the row-per-block kernel;
-    // 2 takes the max and the sum of exp in one pass (not measured yet).
-    const int mode = GetKernelOption(kCrossEntropyPipeline);
-    if (mode == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
+    // Off (the row-per-block kernel runs) when asked (1), or when a thread count is asked
+    // of the row-per-block kernel.
+    if (GetKernelOption(kCrossEntropyPipeline) == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
     if (a.grad == nullptr || a.rows == 0) return false;
     // Rows short enough that many blocks per SM do better, or too long to stage twice.
     const size_t buf_packs = static_cast<size_t>(a.vocab) / kPack<T> + 1;
@@ -246,10 +219,10 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     // The row stride keeps the body of every row and of its gradient 16-byte aligned alike.
     const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
     if ((xa & 15) != (ga & 15)) return false;
-    auto kernel = mode == 2 ? CrossEntropyStagedKernel<T, true> : CrossEntropyStagedKernel<T, false>;
+    auto kernel = CrossEntropyStagedKernel<T>;
     // The code that runs must be built for sm_90+ (an sm_80-only build JITs an empty body).
     static const bool hopper = [] {
-      auto kernel = CrossEntropyStagedKernel<T, false>;
+      auto kernel = CrossEntropyStagedKernel<T>;
       cudaFuncAttributes attr;
       if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
         cudaGetLastError();

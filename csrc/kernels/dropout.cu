@@ -352,12 +352,9 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   }
   if (a.max_parts < 1) return cudaErrorInvalidValue;
   const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
-  // Row blocks (= partial dbias rows): 2 per SM unless the benchmark override asks 3 or 4
-  // (more bytes in flight for the lighter kernels, a longer fold).
-  const int opt = GetKernelOption(kDropoutBwdBlocksPerSm);
-  const int per_sm = opt == 3 || opt == 4 ? opt : 2;
+  // Row blocks (= partial dbias rows): 2 per SM.
   Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden),
-                       std::min<int64_t>(a.max_parts, (int64_t)per_sm * SmCount()));
+                       std::min<int64_t>(a.max_parts, 2 * SmCount()));
   KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
