@@ -23,7 +23,8 @@ train: BERT-base (flax_models, plain layers, bf16 compute) train steps: a step r
   atomics) takes 12-17 ms and its time moves by several ms between compilations of the
   same gradient, so the share is also given without the kernels named "scatter" (pass
   "share_device_ex_scatter"); their time per variant is in the log.
-Modes: fp32 (fp32 params and moments), bf16 (bf16 params, fp32 moments, no master, stochastic rounding).
+Modes (--modes): fp32 (fp32 params and moments), bf16 (bf16 params, fp32 moments, no master,
+stochastic rounding), bf16_master (bf16 params, fp32 master copy and moments).
 """
 from __future__ import annotations
 
@@ -163,13 +164,16 @@ def xla_flat_step(g, s, p):
 MODES = {  # name: (param dtype, fused kwargs, bytes/param of the fused update)
     "fp32": (jnp.float32, dict(), 28),
     "bf16": (jnp.bfloat16, dict(stochastic_rounding=True), 22),
+    # bf16 params, fp32 master in the state: reads g (2), master, m, v (12); writes
+    # master, m, v (12) and the bf16 params (2).
+    "bf16_master": (jnp.bfloat16, dict(master_weights=True), 28),
 }
 
 
-def bench_update(rows, shapes, reps, k, flush):
+def bench_update(rows, shapes, reps, k, flush, modes):
     n = sum(int(np.prod(s)) for s in shapes)
     shape_s = f"bert_base_{len(shapes)}leaves_{n}"
-    for mode, (dt, kw, bpp) in MODES.items():
+    for mode, (dt, kw, bpp) in ((m, MODES[m]) for m in modes):
         params = make_tree(shapes, dt)
         grads = make_tree(shapes, dt, seed=1)
         esize = jnp.dtype(dt).itemsize
@@ -211,14 +215,14 @@ def bench_update(rows, shapes, reps, k, flush):
         flush()
 
 
-def bench_train(rows, batch, seq, reps, flush, preset="base"):
+def bench_train(rows, batch, seq, reps, flush, modes, preset="base"):
     from flax import nnx
     import flax_models as fm
     from flax_models.data import make_batch
     # Dropout off: the step's cost is the same, and the timed step needs no RNG state.
     cfg = fm.get_config("bert", preset, hidden_dropout=0.0, attn_dropout=0.0)
     data = {k: jnp.asarray(v) for k, v in make_batch(cfg, 0, 0, batch, seq).items()}
-    for mode, (dt, kw, bpp) in MODES.items():
+    for mode, (dt, kw, bpp) in ((m, MODES[m]) for m in modes):
         model = fm.build(cfg, impl="plain", dtype=jnp.bfloat16, param_dtype=dt, seed=0)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         n = sum(x.size for x in jax.tree.leaves(params))
@@ -292,6 +296,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=10, help="update steps per timed call")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--modes", default="fp32,bf16", help=f"comma-separated, of {','.join(MODES)}")
     ap.add_argument("--small", action="store_true", help="a tiny pytree (smoke test on the CPU)")
     args = ap.parse_args(argv)
     rows = Rows()
@@ -312,10 +317,10 @@ def main(argv=None):
     if "update" in parts:
         shapes = bert_base_shapes(vocab=300, hidden=16, layers=2, ffn=64, max_pos=32) if args.small \
             else bert_base_shapes()
-        bench_update(rows, shapes, args.reps, args.k, flush)
+        bench_update(rows, shapes, args.reps, args.k, flush, args.modes.split(","))
     if "train" in parts:
         batch, seq = (2, 32) if args.small else (args.batch, args.seq)
-        bench_train(rows, batch, seq, args.reps, flush, preset="tiny" if args.small else "base")
+        bench_train(rows, batch, seq, args.reps, flush, args.modes.split(","), preset="tiny" if args.small else "base")
 
 if __name__ == "__main__":
     main()
