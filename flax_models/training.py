@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 import flax_models as fm
+from jax_ls2.optim import update_nnx
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.01,
@@ -43,7 +44,9 @@ def make_step(graphdef):
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
         (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
-        opt.update(model, grads)
+        # jax_ls2's fused optimizers write the params in their fused pass (and round
+        # stochastically when asked); any other optax transformation goes through opt.update.
+        update_nnx(opt, model, grads)
         return nnx.state((model, opt)), loss, aux
     return jax.jit(step, donate_argnums=0)
 

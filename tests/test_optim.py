@@ -304,6 +304,83 @@ def test_cuda_lowering_accumulate_one_custom_call():
     assert text.count("stablehlo.custom_call @jax_ls2_optim_accumulate") == 1
 
 
+# ---------------------------------------------------------------- Flax nnx.Optimizer
+def _nnx_model(param_dtype):
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 16, rngs=rngs, param_dtype=param_dtype)
+            self.b = nnx.Linear(16, 4, rngs=rngs, param_dtype=param_dtype)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    return Mlp(nnx.Rngs(0))
+
+
+def _nnx_train(tx, param_dtype, fused, steps=3):
+    from flax import nnx
+    model = _nnx_model(param_dtype)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (32, 8))
+
+    @nnx.jit
+    def step(model, opt):
+        g = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+        if fused:
+            optim.update_nnx(opt, model, g)
+        else:
+            opt.update(model, g)
+
+    for _ in range(steps):
+        step(model, opt)
+    return model, opt
+
+
+def _params_of(model):
+    from flax import nnx
+    return jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("make_tx", [lambda: optim.adamw(1e-2, weight_decay=0.1), lambda: optax.adamw(1e-2)],
+                         ids=["fused", "optax"])
+def test_update_nnx_matches_optimizer_update_fp32(make_tx):
+    from flax import nnx
+    a, oa = _nnx_train(make_tx(), jnp.float32, fused=True)
+    b, ob = _nnx_train(make_tx(), jnp.float32, fused=False)
+    for u, v in zip(_params_of(a), _params_of(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    for u, v in zip(jax.tree.leaves(nnx.as_pure(oa.opt_state)), jax.tree.leaves(nnx.as_pure(ob.opt_state))):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert int(oa.step[...]) == int(ob.step[...]) == 3
+
+
+def test_update_nnx_writes_bf16_params_from_the_master_and_rounds_stochastically():
+    from flax import nnx
+    # fp32 master: the bf16 params are the master rounded to nearest.
+    model, opt = _nnx_train(optim.adamw(1e-2, weight_decay=0.1, master_weights=True), jnp.bfloat16, fused=True)
+    master = optim.find_state(nnx.as_pure(opt.opt_state)).master
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    master = optim.unflatten_grads(optim.FlatGrads(master), params)  # per leaf, float32
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(master)):
+        assert m.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(p.astype(jnp.float32)),
+                                      np.asarray(m.astype(jnp.bfloat16).astype(jnp.float32)))
+    # No master, stochastic rounding: one update_nnx step equals apply_updates on the arrays.
+    tx = optim.adamw(1e-2, stochastic_rounding=True)
+    model = _nnx_model(jnp.bfloat16)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    x = jax.random.normal(jax.random.key(2), (32, 8))
+    grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+    want, _ = optim.apply_updates(tx, nnx.as_pure(nnx.state(grads, nnx.Param)), nnx.as_pure(opt.opt_state), params)
+    optim.update_nnx(opt, model, grads)
+    for u, v in zip(_params_of(model), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
+    assert int(opt.step[...]) == 1
+
+
 # ---------------------------------------------------------------- validation
 def test_validation_messages():
     params = {"a": jnp.zeros((3,))}

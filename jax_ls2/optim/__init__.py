@@ -5,8 +5,8 @@ flat buffers; on backends without the CUDA kernels the same math runs in pure JA
 """
 from jax_ls2.optim._core import FlatGrads, FusedState
 from jax_ls2.optim.helpers import (accumulate, apply_updates, find_state, init_accumulator, loss_scale,
-                                   scale_loss, unflatten_grads)
+                                   scale_loss, unflatten_grads, update_nnx)
 from jax_ls2.optim.transforms import adam, adamw, sgd
 
-__all__ = ["adam", "adamw", "sgd", "apply_updates", "accumulate", "init_accumulator", "unflatten_grads",
+__all__ = ["adam", "adamw", "sgd", "apply_updates", "update_nnx", "accumulate", "init_accumulator", "unflatten_grads",
            "scale_loss", "loss_scale", "find_state", "FusedState", "FlatGrads"]

@@ -23,6 +23,28 @@ def apply_updates(tx, grads, state, params):
     return fused(grads, state, params)
 
 
+def update_nnx(optimizer, model, grads) -> None:
+    """``optimizer.update(model, grads)`` for a Flax ``nnx.Optimizer`` whose ``tx`` comes
+    from ``jax_ls2.optim``, with the new params written by the fused pass of
+    `apply_updates`: one pass over params, gradients and state instead of ``tx.update``
+    followed by a per-leaf ``optax.apply_updates``, and ``stochastic_rounding`` takes
+    effect (the optax path adds the update in the param dtype, rounding to nearest).
+    Updates `model`'s params (those of ``optimizer.wrt``), the optimizer state and
+    ``optimizer.step`` in place, like ``nnx.Optimizer.update``; returns None (no update
+    tree is formed). Any other ``tx`` goes through ``optimizer.update`` unchanged."""
+    if getattr(getattr(optimizer.tx, "update", None), "fused_apply", None) is None:
+        optimizer.update(model, grads)
+        return
+    from flax import nnx  # noqa: PLC0415 (the optimizers themselves do not need flax)
+    graph = getattr(optimizer, "graph", None)
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
+    grads = nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph))
+    new_params, new_state = apply_updates(optimizer.tx, grads, nnx.as_pure(optimizer.opt_state), params)
+    nnx.update(model, new_params)
+    nnx.update(optimizer.opt_state, nnx.state(new_state, graph=graph))
+    optimizer.step[...] += 1
+
+
 def find_state(opt_state) -> FusedState:
     """The `FusedState` inside a (possibly chained or wrapped) optimizer state."""
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, FusedState))
