@@ -13,7 +13,7 @@ the same order.
 
 Optimizer: ``jax_ls2.optim.adamw`` (lr ``--lr``, weight decay 0.01, float32 moments)
 with linear warm-up then cosine decay to lr / 10 (the schedule of
-``flax_models.training.make_optimizer``), applied with ``jax_ls2.optim.apply_updates``
+``flax_models.training.lr_schedule``), applied with ``jax_ls2.optim.apply_updates``
 (the fused step that writes the new params; stochastic rounding only happens there).
 Modes:
   fp32_master:  ``master_weights=True``: a float32 master copy lives in the optimizer
@@ -44,12 +44,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import flax_models as fm
 from bench.common import git_commit, gpu_name
-from flax_models import data
+from flax_models import data, training
 from jax_ls2 import optim
 
 MODES = {  # name: adamw precision options
@@ -72,12 +71,6 @@ def final_loss(losses) -> float:
     return float(np.mean(np.asarray(losses, np.float64)[-FINAL_WINDOW:]))
 
 
-def schedule(lr: float, steps: int, warmup: int):
-    """Linear warm-up from 0, cosine decay to lr / 10 (as flax_models.training.make_optimizer)."""
-    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
-                                              end_value=lr * 0.1)
-
-
 def train_mode(cfg, mode: str, args, log=print) -> dict:
     """Trains one mode for args.steps steps; returns its losses and median step time."""
     model = fm.build(cfg, impl=args.impl, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, seed=args.seed,
@@ -85,7 +78,7 @@ def train_mode(cfg, mode: str, args, log=print) -> dict:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-    tx = optim.adamw(schedule(args.lr, args.steps, args.warmup), weight_decay=WEIGHT_DECAY, seed=args.seed,
+    tx = optim.adamw(training.lr_schedule(args.lr, args.steps, args.warmup), weight_decay=WEIGHT_DECAY, seed=args.seed,
                      **MODES[mode])
     opt_state = tx.init(params)
 

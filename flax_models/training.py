@@ -14,12 +14,17 @@ import flax_models as fm
 from jax_ls2.optim import update_nnx
 
 
+def lr_schedule(lr: float, steps: int, warmup: int):
+    """Linear warm-up from 0 over ``warmup`` steps, then cosine decay to lr / 10 at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
+                                              end_value=lr * 0.1)
+
+
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.01,
                    fused: bool = True):
-    """AdamW with linear warm-up and cosine decay: ``jax_ls2.optim.adamw`` when available
-    (and ``fused``), else ``optax.adamw``. Returns (transformation, name)."""
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
-                                               end_value=lr * 0.1)
+    """AdamW with `lr_schedule`: ``jax_ls2.optim.adamw`` when available (and ``fused``),
+    else ``optax.adamw``. Returns (transformation, name)."""
+    sched = lr_schedule(lr, steps, warmup)
     if fused:
         try:
             from jax_ls2.optim import adamw  # noqa: PLC0415
