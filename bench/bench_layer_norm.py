@@ -64,6 +64,15 @@ def run(rows: Rows, dtypes, reps: int):
             del bwd_ours, bwd_xla
             compare(rows, "layer_norm", shape, dtype, "fwd+bwd", fwd_gb + bwd_gb,
                     vjp_of(layer_norm), vjp_of(xla_layer_norm), sets, reps)
+            # Pre-LN form (layer_norm(..., return_input=True)): the backward also adds the
+            # residual branch's gradient: reads dy, x, dres and the stats, writes dx.
+            ours_ri = lambda x, g, b: layer_norm(x, g, b, return_input=True)
+            xla_ri = lambda x, g, b: (xla_layer_norm(x, g, b), x)
+            pulls2 = lambda f: [(jax.vjp(f, x, g, b)[1], (dy, r)) for x, r, g, b, dy in sets]
+            bwd_ours, bwd_xla = pulls2(ours_ri), pulls2(xla_ri)
+            compare(rows, "layer_norm_return_input", shape, dtype, "bwd", (4 * act + 8 * n) / 1e9, apply, apply,
+                    bwd_ours, reps, xla_sets=bwd_xla)
+            del bwd_ours, bwd_xla
             # Residual-fused forward: reads x and r, writes y and s.
             compare(rows, "add_layer_norm", shape, dtype, "fwd", (4 * act + 8 * n) / 1e9,
                     lambda x, r, g, b, dy: layer_norm(x, g, b, residual=r),

@@ -303,16 +303,21 @@ def test_gpu_program_calls_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("elems", [16, 32])
-@pytest.mark.parametrize("hidden", [768, 4096])
-def test_gpu_backward_launch_options_compute_the_same(elems, hidden):
-    """The backward variants a benchmark may time (layer_norm_bwd_elems) give the
-    default's gradients within an ulp of bfloat16 (their sums add in another order)."""
+@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32),
+                                    ("layer_norm_bwd_warp_rows", 1), ("layer_norm_bwd_early_residual", 1)])
+@pytest.mark.parametrize("hidden", [768, 1280, 4096])
+def test_gpu_backward_launch_options_compute_the_same(option, hidden):
+    """The backward variants a benchmark may time (launch options) give the default's
+    gradients within an ulp of bfloat16 (their sums add in another order). Both outputs
+    of the residual form get a cotangent, so the residual branch's gradient is added."""
     from numerics import assert_bf16_close, under_kernel_option
     x, g, b, r = inputs((1031, hidden), jnp.bfloat16, seed=5)
-    dy = jax.random.normal(jax.random.key(6), x.shape).astype(jnp.bfloat16)
-    prog = jax.jit(lambda x, g, b, r, dy: jax.vjp(lambda x, g, b: layer_norm(x, g, b, residual=r)[0], x, g, b)[1](dy))
-    want = jax.block_until_ready(prog(x, g, b, r, dy))
-    got = under_kernel_option("layer_norm_bwd_elems", elems, prog, x, g, b, r, dy)
+    k1, k2 = jax.random.split(jax.random.key(6))
+    dy = jax.random.normal(k1, x.shape).astype(jnp.bfloat16)
+    ds = jax.random.normal(k2, x.shape).astype(jnp.bfloat16)
+    prog = jax.jit(lambda x, g, b, r, dy, ds: jax.vjp(lambda x, g, b: layer_norm(x, g, b, residual=r),
+                                                      x, g, b)[1]((dy, ds)))
+    want = jax.block_until_ready(prog(x, g, b, r, dy, ds))
+    got = under_kernel_option(*option, prog, x, g, b, r, dy, ds)
     for a, w in zip(got, want):
         assert_bf16_close(a, w)

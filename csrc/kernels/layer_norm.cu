@@ -191,8 +191,12 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 }
 
 // ------------------------------------------------------------------ backward
-template <typename T, int VEC, bool RES, int ELEMS = kBwdElems>
-__global__ void __launch_bounds__(BwdMaxThreads(ELEMS)) LayerNormBwdKernel(LayerNormBwdArgs a) {
+// EARLY (a launch option, kLayerNormBwdEarlyResidual): the residual branch's gradient
+// dsum is loaded with x and dy, before the row reduction, instead of after it: one
+// round trip to memory per row instead of two, for 8 more registers (two blocks of 512
+// threads per SM still fit: the bound asks ptxas for at most 64 registers).
+template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false>
+__global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY ? 2 : 1) LayerNormBwdKernel(LayerNormBwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC > 0 ? ELEMS / VEC : 1;
   __shared__ float scratch[64 * 16];
   extern __shared__ float fold[];  // (2, hidden)
@@ -220,7 +224,8 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS)) LayerNormBwdKernel(Layer
     const int64_t off = (valid ? row : 0) * a.hidden;
     const float mean = valid ? a.mean[row] : 0.f;
     const float rstd = valid ? a.rstd[row] : 0.f;
-    float xh[ITEMS][VEC], dy[ITEMS][VEC];
+    constexpr bool kEarly = RES && EARLY;
+    float xh[ITEMS][VEC], dy[ITEMS][VEC], ds[kEarly ? ITEMS : 1][VEC];
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -228,6 +233,7 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS)) LayerNormBwdKernel(Layer
       if (valid && col < H) {
         LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
         LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + off + col, dy[i]);
+        if constexpr (kEarly) LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, ds[i]);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           xh[i][j] = (xh[i][j] - mean) * rstd;
@@ -253,7 +259,10 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS)) LayerNormBwdKernel(Layer
           float o[VEC];
 #pragma unroll
           for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] * gam[i][j] - s1 - xh[i][j] * s2);
-          if constexpr (RES) {
+          if constexpr (kEarly) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] += ds[i][j];
+          } else if constexpr (RES) {
             float d[VEC];
             LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, d);
 #pragma unroll
@@ -420,7 +429,15 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   const int opt = GetKernelOption(kLayerNormBwdElems);
   const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && (opt == 16 || opt == 32) ? opt : kBwdElems;
   const int max_threads = BwdMaxThreads(elems);
-  const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads);
+  int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads);
+  // kLayerNormBwdWarpRows: row groups of whole warps rather than a power of two when a
+  // row needs more than one warp (hidden 768: 96 threads, not 128 with 32 idle).
+  if (tpr > 32 && GetKernelOption(kLayerNormBwdWarpRows) == 1) {
+    const int64_t items = elems / vec > 0 ? elems / vec : 1;
+    const int64_t need = ((a.hidden + vec - 1) / vec + items - 1) / items;
+    tpr = (int)((need + 31) / 32 * 32);
+  }
+  const bool early = res && GetKernelOption(kLayerNormBwdEarlyResidual) == 1;
   const size_t smem = 2 * a.hidden * sizeof(float);
   int parts;
   if (tpr == 0) {
@@ -437,6 +454,7 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
       if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
+      if (early && elems == kBwdElems && vec == kVec) k = LayerNormBwdKernel<T, kVec, true, kBwdElems, true>;
     }
     if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k<<<parts, block, smem, stream>>>(a);
