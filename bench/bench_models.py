@@ -240,7 +240,8 @@ def main(argv=None):
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if os.environ.get("JAX_LS2_PROFILE_TOP"):
                 print(f"---- {name}/{impl}\n" + "\n".join(
-                    l for l in proc.stderr.splitlines() if l.startswith(("device time", "  "))))
+                    l for l in proc.stderr.splitlines()
+                    if l.startswith(("device time", "  ", "by kind", "kernels per step", "(no kind"))))
             if proc.returncode or not got:
                 print(f"{name}/{impl} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
