@@ -365,12 +365,15 @@ __global__ void __launch_bounds__(32 * kFoldLanes) SumPartialsKernel(const float
 
 // Threads per row for the register path: a power of two covering the row with
 // `elems` elements per thread; 0 when the row does not fit in max_threads.
-int ThreadsPerRow(int64_t hidden, int vec, int elems, int max_threads) {
+// A power of two; with warp_multiple, a multiple of 32 once a row needs more than
+// one warp (the row reductions take either).
+int ThreadsPerRow(int64_t hidden, int vec, int elems, int max_threads, bool warp_multiple = false) {
   const int64_t vecs = (hidden + vec - 1) / vec;
   const int items = elems / vec > 0 ? elems / vec : 1;
   const int64_t need = (vecs + items - 1) / items;
   int tpr = 1;
   while (tpr < need) tpr <<= 1;
+  if (warp_multiple && tpr > 32) tpr = (int)((need + 31) / 32 * 32);
   return tpr <= max_threads ? tpr : 0;
 }
 
@@ -429,14 +432,9 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   const int opt = GetKernelOption(kLayerNormBwdElems);
   const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && (opt == 16 || opt == 32) ? opt : kBwdElems;
   const int max_threads = BwdMaxThreads(elems);
-  int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads);
   // kLayerNormBwdWarpRows: row groups of whole warps rather than a power of two when a
   // row needs more than one warp (hidden 768: 96 threads, not 128 with 32 idle).
-  if (tpr > 32 && GetKernelOption(kLayerNormBwdWarpRows) == 1) {
-    const int64_t items = elems / vec > 0 ? elems / vec : 1;
-    const int64_t need = ((a.hidden + vec - 1) / vec + items - 1) / items;
-    tpr = (int)((need + 31) / 32 * 32);
-  }
+  const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads, GetKernelOption(kLayerNormBwdWarpRows) == 1);
   const bool early = res && GetKernelOption(kLayerNormBwdEarlyResidual) == 1;
   const size_t smem = 2 * a.hidden * sizeof(float);
   int parts;
