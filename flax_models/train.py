@@ -121,13 +121,17 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None):
     for step in range(start, args.steps):
         batch = data.make_batch(cfg, args.seed, step, batch_size, seq)
         t0 = time.perf_counter()
-        state, loss, _ = step_fn(state, batch)
+        state, loss, aux = step_fn(state, batch)
         loss = float(loss)  # blocks until the step is done
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if not np.isfinite(loss):
             prog.close()
             raise FloatingPointError(f"train: loss is {loss} at step {step}")
+        if not bool(aux.get("grads_finite", True)):
+            prog.close()
+            raise FloatingPointError(f"train: the gradients of step {step} hold inf/NaN (the update "
+                                     "was applied; use the optimizer's skip_nonfinite or loss_scale to skip)")
         if step > start:
             seen += data.tokens_in(cfg, batch)
         if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:

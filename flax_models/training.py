@@ -45,13 +45,16 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None):
 
 
 def make_step(graphdef):
-    """jit(state, batch) -> (state, loss, aux); state donated."""
+    """jit(state, batch) -> (state, loss, aux); state donated. With a jax_ls2 optimizer,
+    aux["grads_finite"] is the optimizer's () bool report on the step's gradients."""
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
         (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
         # jax_ls2's fused optimizers write the params in their fused pass (and round
         # stochastically when asked); any other optax transformation goes through opt.update.
-        update_nnx(opt, model, grads)
+        finite = update_nnx(opt, model, grads)
+        if finite is not None:
+            aux = dict(aux, grads_finite=finite)
         return nnx.state((model, opt)), loss, aux
     return jax.jit(step, donate_argnums=0)
 

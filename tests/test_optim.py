@@ -157,6 +157,29 @@ def test_apply_if_finite_skips_inf_step():
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ours))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("make_tx", [lambda: optim.adamw(1e-2), lambda: optim.sgd(1e-2, momentum=0.9),
+                                     lambda: optim.adamw(1e-2, max_grad_norm=1.0)],
+                         ids=["adamw", "sgd_momentum", "adamw_clip"])
+def test_unchecked_step_still_reports_nonfinite_gradients(make_tx, fused):
+    """Without skip_nonfinite or loss scaling the step is applied (as in optax), and
+    state.finite says so: False exactly at the step whose gradients hold an inf."""
+    params = make_params(12)
+    tx = make_tx()
+    state = tx.init(params)
+    step = jax.jit((lambda g, s, p: optim.apply_updates(tx, g, s, p)) if fused else
+                   (lambda g, s, p: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p))))
+    grads_fn = with_inf_at(2)
+    seen = []
+    for t in range(4):
+        params, state = step(grads_fn(params, t), state, params)
+        seen.append(bool(state.finite))
+    # step 3's pseudo-gradients derive from the now non-finite params, so they are too
+    assert seen == [True, True, False, False], seen
+    # the inf reached the params (nothing skipped it), and the flag is what tells
+    assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
 # ---------------------------------------------------------------- loss scaling and overflow
 @pytest.mark.parametrize("fused", [False, True])
 def test_dynamic_loss_scale_skips_overflow(fused):
@@ -375,10 +398,13 @@ def test_update_nnx_writes_bf16_params_from_the_master_and_rounds_stochastically
     x = jax.random.normal(jax.random.key(2), (32, 8))
     grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
     want, _ = optim.apply_updates(tx, nnx.as_pure(nnx.state(grads, nnx.Param)), nnx.as_pure(opt.opt_state), params)
-    optim.update_nnx(opt, model, grads)
+    finite = optim.update_nnx(opt, model, grads)
     for u, v in zip(_params_of(model), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
-    assert int(opt.step[...]) == 1
+    assert int(opt.step[...]) == 1 and bool(finite)
+    grads.a.kernel[...] = grads.a.kernel[...].at[0, 0].set(jnp.nan)
+    assert not bool(optim.update_nnx(opt, model, grads))
+    assert optim.update_nnx(nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param), model, grads) is None
 
 
 # ---------------------------------------------------------------- validation
@@ -421,14 +447,15 @@ def _run_impl(monkeypatch, impl, make_tx, params, steps, fused, grads_fn=grads_a
         step = jax.jit(lambda g, s, p: optim.apply_updates(tx, g, s, p))
     else:
         step = jax.jit(lambda g, s, p: (lambda u, s2: (u, s2))(*tx.update(g, s, p)))
-    outs = []
+    outs, finite = [], []
     p = params
     for t in range(steps):
         out, state = step(grads_fn(params, t), state, p)
         outs.append(out)
+        finite.append(bool(state.finite))
         if fused:
             p = out
-    return outs, state
+    return outs, state, finite
 
 
 def _assert_bits_close(a, b, rtol, max_flip_fraction=0.0):
@@ -459,8 +486,9 @@ def test_gpu_kernel_matches_reference(monkeypatch, name, fused):
         g = grads_at(p, t)
         return dict(g, w5=g["w5"].at[0, 0].set(jnp.nan)) if t == 3 else g
 
-    ours, s1 = _run_impl(monkeypatch, "cuda", make_tx, params, 5, fused, grads)
-    ref, s2 = _run_impl(monkeypatch, "reference", make_tx, params, 5, fused, grads)
+    ours, s1, finite1 = _run_impl(monkeypatch, "cuda", make_tx, params, 5, fused, grads)
+    ref, s2, finite2 = _run_impl(monkeypatch, "reference", make_tx, params, 5, fused, grads)
+    assert finite1 == finite2 == [True, True, True, False, True], (finite1, finite2)
     flips = 1e-3 if name == "adamw_bf16_sr" else 0.0
     for a, b in zip(ours, ref):
         _assert_bits_close(a, b, rtol=2e-6, max_flip_fraction=flips)
@@ -476,8 +504,8 @@ def test_gpu_many_leaves_several_launches(monkeypatch):
     rng = np.random.default_rng(2)
     params = {f"w{i:03d}": jnp.asarray(rng.normal(size=(i % 13 + 1, i % 5 + 1)), jnp.float32) for i in range(260)}
     make_tx = lambda: optim.adamw(1e-2, max_grad_norm=1.0, skip_nonfinite=True)
-    ours, _ = _run_impl(monkeypatch, "cuda", make_tx, params, 2, True)
-    ref, _ = _run_impl(monkeypatch, "reference", make_tx, params, 2, True)
+    ours, _, _ = _run_impl(monkeypatch, "cuda", make_tx, params, 2, True)
+    ref, _, _ = _run_impl(monkeypatch, "reference", make_tx, params, 2, True)
     for a, b in zip(ours, ref):
         _assert_bits_close(a, b, rtol=2e-6)
     moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours[-1]), jax.tree.leaves(params))]

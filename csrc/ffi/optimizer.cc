@@ -12,6 +12,7 @@
 //         mu, nu, master as above, aliased to their inputs
 //         stats   (2,) f32: global grad norm, finite flag   [kCheck or kClip]
 //         ws      (launches * kNormBlocks * 2 + 4,) f32 workspace [kCheck or kClip]
+//         bad     (1,) i32: 1 if a gradient is inf/NaN, else 0     [kReport, without kCheck/kClip]
 //   attrs: algo (Algo), flags (Mode bits), offsets (L,) i64 flat offsets, decay (L,) i32 weight-decay mask.
 //
 // jax_ls2_optim_accumulate: acc += scale * grads, one flat f32 buffer.
@@ -65,13 +66,14 @@ ffi::Error UpdateImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remaini
   const int64_t L = static_cast<int64_t>(offsets.size());
   const bool flat = flags & kFlatGrads;
   const bool norm_pass = flags & (optim::kCheck | optim::kClip);
+  const bool report = !norm_pass && (flags & optim::kReport);
   const int n_state = !!(flags & optim::kHasMu) + !!(flags & optim::kHasNu) + !!(flags & optim::kMaster);
   const int64_t n_grad = flat ? 1 : L;
   if (static_cast<int64_t>(decay.size()) != L) return Invalid(op, "decay and offsets differ in length");
   if (static_cast<int64_t>(args.size()) != n_grad + L + n_state + 2)
     return Invalid(op, "expected " + std::to_string(n_grad + L + n_state + 2) + " operands, got " +
                            std::to_string(args.size()));
-  if (static_cast<int64_t>(rets.size()) != L + n_state + (norm_pass ? 2 : 0))
+  if (static_cast<int64_t>(rets.size()) != L + n_state + (norm_pass ? 2 : 0) + (report ? 1 : 0))
     return Invalid(op, "unexpected number of results");
   if (algo != optim::kAdam && algo != optim::kSgd) return Invalid(op, "unknown algo");
 
@@ -125,6 +127,13 @@ ffi::Error UpdateImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remaini
     ws = static_cast<float*>((*w)->untyped_data());
     ctl = ws + static_cast<int64_t>(launches) * optim::kNormBlocks * 2;
     st.ctl = ctl;
+  }
+  if (report) {
+    auto b = rets.get<ffi::AnyBuffer>(r++);
+    if (!b.has_value() || (*b)->element_type() != ffi::DataType::S32 || (*b)->element_count() < 1)
+      return Invalid(op, "the non-finite flag result must be int32[1]");
+    st.bad = static_cast<int32_t*>((*b)->untyped_data());
+    cudaMemsetAsync(st.bad, 0, sizeof(int32_t), stream);
   }
 
   const float* flat_grad = nullptr;
@@ -229,7 +238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptimUpdate, UpdateImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()   // grads..., params..., [mu], [nu], [master], hp (16,), seed (4,)
-                                  .RemainingRets()   // out..., [mu], [nu], [master], [stats (2,), ws]
+                                  .RemainingRets()   // out..., [mu], [nu], [master], [stats (2,), ws] | [bad (1,)]
                                   .Attr<int32_t>("algo")
                                   .Attr<int32_t>("flags")
                                   .Attr<ffi::Span<const int64_t>>("offsets")  // (L,)

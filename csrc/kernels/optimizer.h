@@ -43,7 +43,8 @@ enum Mode : int {
   kClip = 32,      // clip by the global norm (hp[kMaxNorm])
   kSr = 64,        // stochastic rounding when writing FP16/BF16 params (no master)
   kNesterov = 128, // Nesterov momentum (SGD)
-  kMomentBf16 = 256  // moments stored as bfloat16 (else float32)
+  kMomentBf16 = 256, // moments stored as bfloat16 (else float32)
+  kReport = 1024   // without a norm pass: the update pass flags non-finite gradients in *bad
 };
 
 struct LeafTable {
@@ -66,6 +67,7 @@ struct StateArgs {
   const float* hp;   // (kHpSize,) float32
   const uint32_t* seed;  // (4,) uint32: key words k0, k1, step, unused
   const float* ctl;  // (4,) float32 from the norm pass: norm, clip?, skip?, unused; or null
+  int32_t* bad;      // kReport: set to 1 when a gradient read by the update is inf/NaN (zeroed before)
   int algo;
   int flags;         // Mode bits
 };

@@ -147,9 +147,10 @@ struct LeafRef {
 // else NG == 1 and the group holds n elements (1..kGroup), leaf arrays vectorised iff lvec.
 // All loads of all groups come before the math, all stores after, so a thread has
 // NG * (16..32) bytes of every array in flight at once.
+// `bad` collects whether a gradient is inf/NaN (loads give 0 past n, so padding is finite).
 template <int NG, bool kFull, typename P, typename G, typename M>
 __device__ __forceinline__ void UpdateGroups(const LeafRef<P, G, M>& L, const StateArgs& a, const Scalars& s,
-                                             const SrKey& key, int64_t i, int n, bool lvec) {
+                                             const SrKey& key, int64_t i, int n, bool lvec, bool& bad) {
   static_assert(kFull || NG == 1, "partial groups go one at a time");
   const bool apply = a.flags & kApply;
   const bool sr = (a.flags & kSr) && !L.master;
@@ -190,6 +191,7 @@ __device__ __forceinline__ void UpdateGroups(const LeafRef<P, G, M>& L, const St
   for (int j = 0; j < NG; ++j) {
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
+      bad |= !isfinite(gv[j][k]);
       const float d = Step(s, a.algo, a.flags, L.decay, gv[j][k], pv[j][k], mv[j][k], vv[j][k]);
       gv[j][k] = d;
       pv[j][k] = __fadd_rn(pv[j][k], d);
@@ -222,7 +224,7 @@ __device__ __forceinline__ void UpdateGroups(const LeafRef<P, G, M>& L, const St
 // leaves) goes group by group.
 template <typename P, typename G, typename M>
 __device__ __forceinline__ void UpdateRange(const LeafTable& t, const StateArgs& a, const Scalars& s,
-                                            const SrKey& key, int leaf, int64_t e0, int64_t e1) {
+                                            const SrKey& key, int leaf, int64_t e0, int64_t e1, bool& bad) {
   LeafRef<P, G, M> L;
   L.g = static_cast<const G*>(t.grad[leaf]);
   L.p = static_cast<const P*>(t.param[leaf]);
@@ -237,14 +239,14 @@ __device__ __forceinline__ void UpdateRange(const LeafTable& t, const StateArgs&
   for (int64_t c = e0; c < e1; c += kChunk) {
     const int64_t i0 = c + threadIdx.x * kGroup;
     if (aligned && c + kChunk <= e1) {
-      UpdateGroups<kGroupsPerChunk, true>(L, a, s, key, i0, kGroup, true);
+      UpdateGroups<kGroupsPerChunk, true>(L, a, s, key, i0, kGroup, true, bad);
     } else {
 #pragma unroll 1
       for (int j = 0; j < kGroupsPerChunk; ++j) {
         const int64_t i = i0 + j * kGroupStride;
         if (i >= e1) break;
         const int n = static_cast<int>(e1 - i < kGroup ? e1 - i : kGroup);
-        UpdateGroups<1, false>(L, a, s, key, i, n, aligned && n == kGroup);
+        UpdateGroups<1, false>(L, a, s, key, i, n, aligned && n == kGroup, bad);
       }
     }
   }
@@ -275,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, kUpdateMinBlocks) UpdateKernel(const
   const int c0 = static_cast<int>(chunks * blockIdx.x / gridDim.x);
   const int c1 = static_cast<int>(chunks * (blockIdx.x + 1) / gridDim.x);
   if (c0 >= c1) return;
+  bool bad = false;
   for (int leaf = FindLeaf(t, c0); leaf < t.n && t.chunk_start[leaf] < c1; ++leaf) {
     const int cs = t.chunk_start[leaf];
     const int lo = max(c0, cs), hi = min(c1, t.chunk_start[leaf + 1]);
@@ -292,10 +295,12 @@ __global__ void __launch_bounds__(kThreads, kUpdateMinBlocks) UpdateKernel(const
       using P = decltype(ptag);
       DispatchType(t.gtype[leaf], [&](auto gtag) {
         using G = decltype(gtag);
-        UpdateRange<P, G, M>(t, a, s, key, leaf, e0, e1);
+        UpdateRange<P, G, M>(t, a, s, key, leaf, e0, e1, bad);
       });
     });
   }
+  // Every writer stores the same value, so plain stores suffice.
+  if (bad && a.bad) *a.bad = 1;
 }
 
 

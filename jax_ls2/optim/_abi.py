@@ -18,3 +18,4 @@ SR = 64            # stochastic rounding of FP16/BF16 params (no master)
 NESTEROV = 128
 MOMENT_BF16 = 256
 FLAT_GRADS = 512   # grads arrive as one flat float32 buffer
+REPORT = 1024      # without CHECK/CLIP: the update pass itself flags inf/NaN gradients

@@ -28,7 +28,9 @@ class FusedState(NamedTuple):
     good_steps:  () int32, finite steps since the loss scale last changed.
     grad_norm:   () float32, global norm of the unscaled gradients at the last step
                  (0 unless clipping or the finite check is on).
-    finite:      () bool, whether the last step's gradients were all finite.
+    finite:      () bool, whether the last step's gradients were all finite. Always
+                 computed (without ``skip_nonfinite`` / dynamic loss scaling a step
+                 with inf/NaN gradients is applied, and this flag is how it is seen).
     """
     count: jax.Array
     mu: Optional[jax.Array]
@@ -106,6 +108,7 @@ def _flags(cfg: Config, *, apply: bool, flat: bool) -> int:
     f |= A.NESTEROV if cfg.nesterov else 0
     f |= A.MOMENT_BF16 if _moment_dtype(cfg) == jnp.dtype(jnp.bfloat16) else 0
     f |= A.FLAT_GRADS if flat else 0
+    f |= A.REPORT if not f & (A.CHECK | A.CLIP) else 0
     return f
 
 
@@ -235,7 +238,8 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
         g_leaves, p_leaves, state.mu, state.nu, state.master, hp, seed,
         algo=cfg.algo, flags=flags, layout=layout, decay=_decay_mask(cfg, params, len(p_leaves)))
     checked = bool(flags & A.CHECK)
-    finite = stats[1] > 0 if checked else jnp.ones((), jnp.bool_)
+    # Every mode reports whether the gradients were finite; only CHECK acts on it.
+    finite = stats[1] > 0
     scale, good = _next_scale(cfg, state, finite)
     new_state = FusedState(
         count=jnp.where(finite, count_inc, state.count) if checked else count_inc,

@@ -47,6 +47,7 @@ def fused_update(grads: list, params: list, mu, nu, master, hp, seed, *, algo: i
     state_in = [x for x in (mu, nu, master) if x is not None]
     args = (*grads, *params, *state_in, hp, seed)
     norm_pass = bool(flags & (A.CHECK | A.CLIP))
+    report = bool(flags & A.REPORT) and not norm_pass
 
     def split(flat_args):
         g = list(flat_args[:n_g])
@@ -79,12 +80,19 @@ def fused_update(grads: list, params: list, mu, nu, master, hp, seed, *, algo: i
         res_types = out_types + [result_type(x) for x in state]
         if norm_pass:
             res_types += [result_type(h, shape=(2,)), result_type(h, shape=(workspace_size(L),))]
+        elif report:
+            res_types.append(result_type(h, shape=(1,), dtype=jnp.int32))
         call = jax.ffi.ffi_call(UPDATE_TARGET, res_types, input_output_aliases=aliases,
                                 vmap_method="sequential")
         res = call(*flat_args, algo=np.int32(algo), flags=np.int32(flags),
                    offsets=offsets_attr(layout), decay=np.asarray(decay, dtype=np.int32))
         res = list(res)
-        stats = res[L + len(state)] if norm_pass else jnp.zeros((2,), jnp.float32)
+        if norm_pass:
+            stats = res[L + len(state)]
+        elif report:
+            stats = jnp.stack([jnp.float32(0), (res[L + len(state)][0] == 0).astype(jnp.float32)])
+        else:
+            stats = jnp.zeros((2,), jnp.float32)
         return (*res[:L + len(state)], stats)
 
     res = _dispatch(UPDATE_TARGET, reference, cuda, args)

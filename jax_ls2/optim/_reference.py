@@ -113,7 +113,8 @@ def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: i
       hp: (HP_SIZE,) f32. seed: (4,) uint32.
     Returns:
       (outs, mu, nu, master, stats): outs are the new params (APPLY; param dtypes) or the
-      updates (grad dtypes); stats (2,) f32 = (norm, finite), zeros unless CHECK or CLIP.
+      updates (grad dtypes); stats (2,) f32 = (norm, finite): both from the norm pass with
+      CHECK or CLIP, (0, finite) with REPORT, zeros otherwise.
     """
     L = len(params)
     if flags & A.FLAT_GRADS:
@@ -128,6 +129,11 @@ def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: i
         skip = (flags & A.CHECK != 0) & (stats[1] == 0)
     else:
         stats = jnp.zeros((2,), jnp.float32)
+        if flags & A.REPORT:
+            finite = jnp.bool_(True)
+            for g in g_leaves:
+                finite = finite & jnp.all(jnp.isfinite(g))
+            stats = jnp.stack([jnp.float32(0), finite.astype(jnp.float32)])
         norm, clip_on, skip = jnp.float32(0), jnp.bool_(False), jnp.bool_(False)
     apply = bool(flags & A.APPLY)
     sr = bool(flags & A.SR) and master is None

@@ -23,18 +23,20 @@ def apply_updates(tx, grads, state, params):
     return fused(grads, state, params)
 
 
-def update_nnx(optimizer, model, grads) -> None:
+def update_nnx(optimizer, model, grads):
     """``optimizer.update(model, grads)`` for a Flax ``nnx.Optimizer`` whose ``tx`` comes
     from ``jax_ls2.optim``, with the new params written by the fused pass of
     `apply_updates`: one pass over params, gradients and state instead of ``tx.update``
     followed by a per-leaf ``optax.apply_updates``, and ``stochastic_rounding`` takes
     effect (the optax path adds the update in the param dtype, rounding to nearest).
     Updates `model`'s params (those of ``optimizer.wrt``), the optimizer state and
-    ``optimizer.step`` in place, like ``nnx.Optimizer.update``; returns None (no update
-    tree is formed). Any other ``tx`` goes through ``optimizer.update`` unchanged."""
+    ``optimizer.step`` in place, like ``nnx.Optimizer.update`` (no update tree is formed).
+    Returns the step's ``finite`` flag (() bool: False when a gradient held inf/NaN, see
+    `FusedState`). Any other ``tx`` goes through ``optimizer.update`` unchanged and the
+    result is None."""
     if getattr(getattr(optimizer.tx, "update", None), "fused_apply", None) is None:
         optimizer.update(model, grads)
-        return
+        return None
     from flax import nnx  # noqa: PLC0415 (the optimizers themselves do not need flax)
     graph = getattr(optimizer, "graph", None)
     params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
@@ -43,6 +45,7 @@ def update_nnx(optimizer, model, grads) -> None:
     nnx.update(model, new_params)
     nnx.update(optimizer.opt_state, nnx.state(new_state, graph=graph))
     optimizer.step[...] += 1
+    return find_state(new_state).finite
 
 
 def find_state(opt_state) -> FusedState:
