@@ -104,7 +104,7 @@ for step in $STEPS; do
           softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
                             --only layer_norm:bwd,layer_norm_return_input:bwd \
-                            --variants layer_norm_bwd_warp_rows=1,layer_norm_bwd_early_residual=1,layer_norm_bwd_warp_rows=1+layer_norm_bwd_early_residual=1 ;;
+                            --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32 ;;
         esac
       done
       summary+=("sweeps: $(( $(date +%s) - t0 )) s")

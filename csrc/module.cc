@@ -25,8 +25,6 @@ PYBIND11_MODULE(_C, m) {
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
-        {"layer_norm_bwd_warp_rows", jax_ls2::kLayerNormBwdWarpRows},
-        {"layer_norm_bwd_early_residual", jax_ls2::kLayerNormBwdEarlyResidual},
     };
     for (const auto& [n, o] : names) {
       if (name == n) {

@@ -34,8 +34,6 @@ enum KernelOption : int {
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
-  kLayerNormBwdWarpRows,     // "layer_norm_bwd_warp_rows": 1 = backward row groups of whole warps, not a power of two
-  kLayerNormBwdEarlyResidual,  // "layer_norm_bwd_early_residual": 1 = load dsum before the row reduction (bfloat16)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {
