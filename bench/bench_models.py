@@ -26,7 +26,7 @@ import sys
 import time
 
 PEAK_FLOPS = 790e12
-GROUP = 5  # steps per timed group
+GROUP = 5  # steps per timed group (--group)
 # name: (family, preset, batch, seq, dropout[, config overrides]); seq 0 = images;
 # `dropout` sets every dropout rate the overrides do not.
 MODELS = {
@@ -68,7 +68,7 @@ def train_flops(cfg, batch, seq):
     return 3 * 2 * batch * (n_layers * layer * seq + h * v * head_tokens + attn)
 
 
-def run_one(name, impl, steps, warmup, quick, smoke):
+def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -92,16 +92,17 @@ def run_one(name, impl, steps, warmup, quick, smoke):
     for i in range(warmup):
         state, loss, _ = step(state, batches[i % 4])
     jax.block_until_ready(loss)
-    # Steps are enqueued in groups of GROUP and waited for at the group's end, as a
+    # Steps are enqueued in groups of `group` and waited for at the group's end, as a
     # training loop runs them (the host prepares step i+1 while the device runs step i);
-    # a step's time is its group's time / GROUP.
+    # a step's time is its group's time / group. The device waits for the group's first
+    # launch, which the wait at the end of the group before it makes a fixed cost per group.
     times = []
-    for g in range(max(1, steps // GROUP)):
+    for g in range(max(1, steps // group)):
         t0 = time.perf_counter()
-        for i in range(GROUP):
-            state, loss, _ = step(state, batches[(g * GROUP + i) % 4])
+        for i in range(group):
+            state, loss, _ = step(state, batches[(g * group + i) % 4])
         jax.block_until_ready((state, loss))
-        times.append((time.perf_counter() - t0) / GROUP)
+        times.append((time.perf_counter() - t0) / group)
     if os.environ.get("JAX_LS2_PROFILE_TOP"):
         print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
     ms = 1e3 * np.asarray(times)
@@ -116,7 +117,7 @@ def run_one(name, impl, steps, warmup, quick, smoke):
             "unit": "images" if family == "vit" else "tokens",
             "mfu": train_flops(cfg, batch, seq) / (med * 1e-3) / PEAK_FLOPS,
             "peak_mem_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
-            "optimizer": opt, "loss": float(loss),
+            "optimizer": opt, "loss": float(loss), "group": group,
             "gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__}
 
 
@@ -218,6 +219,7 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=DEFAULT, choices=sorted(MODELS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--group", type=int, default=GROUP, help="steps enqueued between waits")
     p.add_argument("--quick", action="store_true", help="smaller batches")
     p.add_argument("--smoke", action="store_true", help="tiny presets (checks the script)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
@@ -226,7 +228,7 @@ def main(argv=None):
         p.error("--steps must be >= 20")
     if args.one:
         print("RESULT " + json.dumps(run_one(*args.one, args.steps, args.warmup, args.quick,
-                                             args.smoke)), flush=True)
+                                             args.smoke, args.group)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
     rows, commit = [], git_commit()
@@ -234,7 +236,7 @@ def main(argv=None):
     for name in args.models:
         for impl in ("plain", "ls2"):
             cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,
-                   impl, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   impl, "--steps", str(args.steps), "--warmup", str(args.warmup), "--group", str(args.group)]
             cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
             proc = subprocess.run(cmd, capture_output=True, text=True)
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -269,7 +271,7 @@ def write_csv(rows, out, date, quick, smoke):
         base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
         r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
     fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
-              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "gpu", "jax_version",
+              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "group", "gpu", "jax_version",
               "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
                              f"{'_smoke' if smoke else ''}.csv")
