@@ -56,7 +56,9 @@ for step in $STEPS; do
     ncu)
       # Hardware counters of the kernels short of the bar (bench/profile_kernels.py).
       t0=$(date +%s)
-      timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name-base demangled \
+      # No preallocation: kernel replay saves and restores the device memory in use, and
+      # with XLA's default pool (85% of the GPU) that stalls at the first kernel.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name-base demangled \
         --kernel-name "${NCU_KERNELS:-regex:jax_ls2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section LaunchStats \
         $PY -m bench.profile_kernels ${NCU_ARGS:-} >"$OUT/ncu.txt" 2>&1
