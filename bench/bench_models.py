@@ -96,13 +96,18 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
     # training loop runs them (the host prepares step i+1 while the device runs step i);
     # a step's time is its group's time / group. The device waits for the group's first
     # launch, which the wait at the end of the group before it makes a fixed cost per group.
-    times = []
+    # host_ms: time inside the step calls (the host's dispatch); near the step time, the
+    # host rather than the device sets the pace.
+    times, host = [], 0.0
     for g in range(max(1, steps // group)):
         t0 = time.perf_counter()
         for i in range(group):
+            t1 = time.perf_counter()
             state, loss, _ = step(state, batches[(g * group + i) % 4])
+            host += time.perf_counter() - t1
         jax.block_until_ready((state, loss))
         times.append((time.perf_counter() - t0) / group)
+    host_ms = 1e3 * host / (len(times) * group)
     if os.environ.get("JAX_LS2_PROFILE_TOP"):
         print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
     ms = 1e3 * np.asarray(times)
@@ -117,7 +122,7 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
             "unit": "images" if family == "vit" else "tokens",
             "mfu": train_flops(cfg, batch, seq) / (med * 1e-3) / PEAK_FLOPS,
             "peak_mem_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
-            "optimizer": opt, "loss": float(loss), "group": group,
+            "optimizer": opt, "loss": float(loss), "group": group, "host_ms": host_ms,
             "gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__}
 
 
@@ -251,7 +256,7 @@ def main(argv=None):
             r.update(git_commit=commit, date=date)
             rows.append(r)
             print(f"{name}/{impl}: {r['ms_median']:.2f} ms, {r['tokens_per_s']:,.0f} {r['unit']}/s, "
-                  f"peak {r['peak_mem_gb']:.2f} GB", flush=True)
+                  f"peak {r['peak_mem_gb']:.2f} GB, host dispatch {r['host_ms']:.2f} ms a step", flush=True)
         path = write_csv(rows, args.out, date, args.quick, args.smoke)
     png = chart(rows, path[:-4] + ".png") if rows else None
     print(f"{'model':<21}{'shape':<44}{'impl':<7}{'ms':>9}{'units/s':>12}{'MFU':>7}"
@@ -271,7 +276,7 @@ def write_csv(rows, out, date, quick, smoke):
         base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
         r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
     fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
-              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "group", "gpu", "jax_version",
+              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "group", "host_ms", "gpu", "jax_version",
               "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
                              f"{'_smoke' if smoke else ''}.csv")
