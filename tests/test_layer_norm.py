@@ -125,6 +125,36 @@ def test_transformations():
             np.testing.assert_allclose(u, w, rtol=2e-4, atol=2e-4)
 
 
+def test_copies_under_vmap_remat_and_scan():
+    x, g, b, _ = inputs((4, 6, 32), seed=14)
+
+    def loss(x, g, b):
+        y1, y2, x_other = layer_norm(x, g, b, copies=2, return_input=True)
+        return jnp.sum(y1 ** 2) + jnp.sum(jnp.sin(y2)) + jnp.sum(x_other * y1)
+
+    def plain(x, g, b):
+        y = plain_layer_norm(x, g, b)
+        return jnp.sum(y ** 2) + jnp.sum(jnp.sin(y)) + jnp.sum(x * y)
+
+    per_ex = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None, None))(x, g, b)
+    per_ex_ref = jax.vmap(jax.grad(plain, (0, 1)), in_axes=(0, None, None))(x, g, b)
+    for a, c in zip(per_ex, per_ex_ref):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
+
+    def body(h, params):
+        return jax.checkpoint(lambda h: jnp.tanh(sum(layer_norm(h, *params, copies=3))))(h), None
+
+    def plain_body(h, params):
+        return jnp.tanh(3 * plain_layer_norm(h, *params)), None
+
+    stack = (jnp.stack([g, g * 0.5]), jnp.stack([b, b + 1]))
+    scan_loss = lambda x, st: jnp.sum(jax.lax.scan(body, x, st)[0] ** 2)
+    plain_scan = lambda x, st: jnp.sum(jax.lax.scan(plain_body, x, st)[0] ** 2)
+    for a, c in zip(jax.jit(jax.grad(scan_loss, (0, 1)))(x, stack), jax.grad(plain_scan, (0, 1))(x, stack)):
+        for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
+            np.testing.assert_allclose(u, w, rtol=2e-4, atol=2e-4)
+
+
 def test_batch_sharded_jit_has_no_all_gather_and_psums_param_grads():
     mesh = mesh8()
     x, g, b, r = inputs((16, 4, 48), seed=5)
@@ -138,6 +168,15 @@ def test_batch_sharded_jit_has_no_all_gather_and_psums_param_grads():
     text = compiled_text(f, xs, g, b)
     assert "all-gather" not in text
     assert "all-reduce" in text  # dgamma/dbeta are summed across shards
+    # The same with the copies form (three cotangents and the input's, one backward call).
+    f = jax.jit(jax.grad(lambda x, g, b: sum(jnp.sum(t ** 3) for t in layer_norm(x, g, b, copies=3,
+                                                                                 return_input=True)), (0, 1, 2)))
+    out = f(xs, g, b)
+    ref = jax.grad(lambda x, g, b: 3 * jnp.sum(plain_layer_norm(x, g, b) ** 3) + jnp.sum(x ** 3), (0, 1, 2))(x, g, b)
+    for a, c in zip(out, ref):
+        np.testing.assert_allclose(a, c, rtol=2e-4, atol=2e-4)
+    assert out[0].sharding.spec[0] == "data"
+    assert "all-gather" not in compiled_text(f, xs, g, b)
 
 
 def test_shard_map():
@@ -179,6 +218,57 @@ def test_return_input_variant_adds_the_other_gradient_of_x():
         layer_norm(x, g, b, residual=x, return_input=True)
     with pytest.raises(TypeError, match="layer_norm: return_input must be a Python bool"):
         layer_norm(x, g, b, return_input=1)
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4])
+@pytest.mark.parametrize("return_input", [False, True])
+def test_copies_give_each_consumer_its_own_cotangent(copies, return_input):
+    """copies=k: y k times (then x); the gradient equals that of the plain formula whose
+    output feeds the same k consumers (and x its other use), and the backward is one
+    custom call that takes every cotangent."""
+    x, g, b, _ = inputs((6, 5, 96), seed=12)
+    ws = jax.random.normal(jax.random.key(8), (copies + 1, 6, 5, 96))
+    consume = lambda ys, x_other: sum(jnp.sum(jnp.sin(y * (i + 1)) * ws[i]) for i, y in enumerate(ys)) + \
+        (jnp.sum(jnp.tanh(x_other) * ws[-1]) if x_other is not None else 0.0)
+
+    def ours(x, g, b):
+        out = layer_norm(x, g, b, copies=copies, return_input=return_input)
+        assert len(out) == copies + return_input
+        return consume(out[:copies], out[copies] if return_input else None)
+
+    def plain(x, g, b):
+        y = plain_layer_norm(x, g, b)
+        return consume([y] * copies, x if return_input else None)
+
+    out = layer_norm(x, g, b, copies=copies, return_input=return_input)
+    for y in out[:copies]:
+        np.testing.assert_allclose(y, plain_layer_norm(x, g, b), rtol=2e-5, atol=2e-5)
+    if return_input:
+        np.testing.assert_array_equal(out[-1], x)
+    for o, p in zip(jax.grad(ours, (0, 1, 2))(x, g, b), jax.grad(plain, (0, 1, 2))(x, g, b)):
+        np.testing.assert_allclose(o, p, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not jax_ls2.cuda_available(), reason="extension not built")
+def test_copies_lowering_for_cuda_is_one_backward_call_for_every_cotangent():
+    x, g, b, _ = inputs((4, 64), seed=13)
+
+    def loss(x, g, b):
+        y1, y2, y3, x_other = layer_norm(x, g, b, copies=3, return_input=True)
+        return jnp.sum(jnp.sin(y1)) + jnp.sum(y2 * y2) + jnp.sum(jnp.cos(y3)) + jnp.sum(x_other ** 3)
+
+    text = cuda_lowering_text(jax.grad(loss, (0, 1, 2)), x, g, b)
+    assert text.count("jax_ls2_layer_norm_bwd_multi") == 1 and "jax_ls2_layer_norm_fwd" in text
+    assert "jax_ls2_layer_norm_bwd\"" not in text and "jax_ls2_add_layer_norm_bwd" not in text
+
+
+def test_copies_bad_values():
+    x, g, b, r = inputs((4, 8))
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match="layer_norm: copies must be a Python int from 1 to 4"):
+            layer_norm(x, g, b, copies=bad)
+    with pytest.raises(ValueError, match="layer_norm: copies applies without residual"):
+        layer_norm(x, g, b, residual=r, copies=2)
 
 
 def test_lowering_for_cuda_reaches_the_kernels():
@@ -275,6 +365,50 @@ def test_gpu_return_input_against_float64_truth(dtype, shape):
         a1, a2 = (jax.device_put(jnp.asarray(f64(a)), cpu) for a in (w1, w2))
         truth = jax.grad(lambda x, g, b: jnp.sum(plain_layer_norm(x, g, b) * a1) + jnp.sum(jnp.tanh(x) * a2),
                          (0, 1, 2))(*args64)
+    gk = jax.jit(jax.grad(ours, (0, 1, 2)))(x, g, b)
+    gx = jax.jit(jax.grad(xla, (0, 1, 2)))(x, g, b)
+    for name, k, r, t in zip(["dx", "dgamma", "dbeta"], gk, gx, truth):
+        assert_within_2x(name, k, r, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1025, 769), (4096, 768), (64, 20000)])
+@pytest.mark.parametrize("copies,return_input", [(2, False), (3, True), (4, True)])
+def test_gpu_copies_against_float64_truth(dtype, shape, copies, return_input):
+    """layer_norm(copies=k): dx, dgamma, dbeta with the k cotangents of y (and that of
+    x's other use) summed in the kernel, within 2x of XLA's error, at 16-byte, scalar
+    (odd hidden) and one-row-per-block (hidden 20000) kernels."""
+    x, g, b, _ = inputs(shape, dtype, seed=6)
+    ws = [jax.random.normal(k, shape).astype(dtype) for k in jax.random.split(jax.random.key(5), copies + 1)]
+
+    f32 = lambda a: a.astype(jnp.float32)
+
+    def consume(ys, x_other):
+        total = sum(jnp.sum(jnp.sin(f32(y) * (i + 1)) * f32(w)) for i, (y, w) in enumerate(zip(ys, ws)))
+        if x_other is not None:
+            total = total + jnp.sum(jnp.tanh(f32(x_other)) * f32(ws[-1]))
+        return total
+
+    def ours(x, g, b):
+        out = layer_norm(x, g, b, copies=copies, return_input=return_input)
+        return consume(out[:copies], out[copies] if return_input else None)
+
+    def xla(x, g, b):
+        return consume([plain_layer_norm(x, g, b)] * copies, x if return_input else None)
+
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        args64 = [jax.device_put(jnp.asarray(f64(a)), cpu) for a in (x, g, b)]
+        w64 = [jax.device_put(jnp.asarray(f64(w)), cpu) for w in ws]
+
+        def truth_fn(x, g, b):
+            y = plain_layer_norm(x, g, b)
+            total = sum(jnp.sum(jnp.sin(y * (i + 1)) * w64[i]) for i in range(copies))
+            return total + (jnp.sum(jnp.tanh(x) * w64[-1]) if return_input else 0.0)
+        truth = jax.grad(truth_fn, (0, 1, 2))(*args64)
+    text = compiled_text(jax.grad(ours, (0, 1, 2)), x, g, b)
+    assert "jax_ls2_layer_norm_bwd_multi" in text
     gk = jax.jit(jax.grad(ours, (0, 1, 2)))(x, g, b)
     gx = jax.jit(jax.grad(xla, (0, 1, 2)))(x, g, b)
     for name, k, r, t in zip(["dx", "dgamma", "dbeta"], gk, gx, truth):

@@ -1,4 +1,7 @@
 // XLA FFI handlers for LayerNorm (plain and fused with a residual add).
+#include <string>
+#include <vector>
+
 #include "common.cuh"
 #include "kernels/layer_norm.h"
 #include "registry.h"
@@ -43,15 +46,27 @@ ffi::Error AddLayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   return Fwd(stream, "layer_norm(residual)", x, &residual, gamma, beta, y, &sum, mean, rstd, eps);
 }
 
+// more: extra cotangents of y, each shaped and typed like dy (checked here), or null.
 ffi::Error Bwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& dy, const ffi::AnyBuffer* dsum,
                const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& mean,
                const ffi::AnyBuffer& rstd, ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dgamma,
-               ffi::Result<ffi::AnyBuffer>& dbeta, ffi::Result<ffi::AnyBuffer>& partials) {
+               ffi::Result<ffi::AnyBuffer>& dbeta, ffi::Result<ffi::AnyBuffer>& partials,
+               const std::vector<ffi::AnyBuffer>* more = nullptr) {
   auto pdims = partials->dimensions();
   LayerNormBwdArgs a{Ptr(dy), dsum ? Ptr(*dsum) : nullptr, Ptr(x), Ptr(gamma),
                      static_cast<const float*>(mean.untyped_data()), static_cast<const float*>(rstd.untyped_data()),
                      Ptr(dx), F32(dgamma), F32(dbeta), F32(partials), pdims.size() > 0 ? pdims[0] : 0,
-                     LeadingCount(x), LastDim(x)};
+                     LeadingCount(x), LastDim(x), {nullptr, nullptr, nullptr}, 0};
+  if (more != nullptr) {
+    if (more->size() > static_cast<size_t>(kLayerNormMaxExtraDy))
+      return ffi::Error::InvalidArgument(std::string(op) + ": at most " + std::to_string(kLayerNormMaxExtraDy + 1) +
+                                         " cotangents of y, got " + std::to_string(more->size() + 1));
+    for (const auto& d : *more) {
+      if (d.element_type() != dy.element_type() || d.element_count() != dy.element_count())
+        return ffi::Error::InvalidArgument(std::string(op) + ": every cotangent of y must match dy's dtype and size");
+      a.dy_more[a.n_more++] = Ptr(d);
+    }
+  }
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
   PoisonOutputs(stream, dx, dgamma, dbeta);
@@ -78,6 +93,31 @@ ffi::Error AddLayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyB
                                ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> partials) {
   return Bwd(stream, "layer_norm(residual) backward", dy, &dsum, x, gamma, mean, rstd, dx, dgamma, dbeta,
              partials);
+}
+
+// Args: x (rows..., H), gamma (H,), mean (rows...) f32, rstd (rows...) f32, then the
+//   cotangents of y: dy_0 .. dy_k (rows..., H), 2 to 4 of them, and with has_dsum the
+//   cotangent of the returned input last.
+// Rets: dx (rows..., H) = d LayerNorm(sum of the dy_i) [+ dsum], dgamma, dbeta, partials workspace
+ffi::Error LayerNormBwdMultiImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer mean,
+                                 ffi::AnyBuffer rstd, ffi::RemainingArgs cts, ffi::Result<ffi::AnyBuffer> dx,
+                                 ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                                 ffi::Result<ffi::AnyBuffer> partials, int32_t has_dsum) {
+  const char* op = "layer_norm(copies) backward";
+  std::vector<ffi::AnyBuffer> all;
+  for (size_t i = 0; i < cts.size(); ++i) {
+    auto b = cts.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(op) + ": bad cotangent operand");
+    all.push_back(*b);
+  }
+  const size_t n_dy = all.size() - (has_dsum ? 1 : 0);
+  if (all.size() < (has_dsum ? 2u : 1u) || n_dy < 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected at least one cotangent of y");
+  const ffi::AnyBuffer* dsum = has_dsum ? &all.back() : nullptr;
+  if (dsum != nullptr && (dsum->element_type() != x.element_type() || dsum->element_count() != x.element_count()))
+    return ffi::Error::InvalidArgument(std::string(op) + ": dsum must match x's dtype and size");
+  std::vector<ffi::AnyBuffer> more(all.begin() + 1, all.begin() + n_dy);
+  return Bwd(stream, op, all[0], dsum, x, gamma, mean, rstd, dx, dgamma, dbeta, partials, &more);
 }
 
 }  // namespace
@@ -137,9 +177,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddLayerNormBwd, AddLayerNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>(),  // partials
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdMulti, LayerNormBwdMultiImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // mean
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .RemainingArgs()        // dy_0 .. dy_k [, dsum]
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>()  // partials
+                                  .Attr<int32_t>("has_dsum"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 JAX_LS2_REGISTER("jax_ls2_layer_norm_fwd", LayerNormFwd);
 JAX_LS2_REGISTER("jax_ls2_add_layer_norm_fwd", AddLayerNormFwd);
 JAX_LS2_REGISTER("jax_ls2_layer_norm_bwd", LayerNormBwd);
 JAX_LS2_REGISTER("jax_ls2_add_layer_norm_bwd", AddLayerNormBwd);
+JAX_LS2_REGISTER("jax_ls2_layer_norm_bwd_multi", LayerNormBwdMulti);
 
 }  // namespace jax_ls2

@@ -196,8 +196,10 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 // round trip to memory per row instead of two, for 8 more registers (two blocks of 512
 // threads per SM still fit: the bound asks ptxas for at most 64 registers). Measured on
 // the H200 at 16384x768: 56% -> 66% of copy bandwidth with the whole-warp row groups.
-template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false>
-__global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY ? 2 : 1) LayerNormBwdKernel(LayerNormBwdArgs a) {
+// MORE: the number of extra cotangents (a.dy_more) summed into dy as it is loaded.
+template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false, int MORE = 0>
+__global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VEC > 1) ? 2 : 1)
+    LayerNormBwdKernel(LayerNormBwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC > 0 ? ELEMS / VEC : 1;
   __shared__ float scratch[64 * 16];
   extern __shared__ float fold[];  // (2, hidden)
@@ -235,6 +237,15 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY ? 2 : 1) LayerNorm
         LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
         LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + off + col, dy[i]);
         if constexpr (kEarly) LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, ds[i]);
+        if constexpr (MORE > 0) {
+          float more[MORE][VEC];
+#pragma unroll
+          for (int m = 0; m < MORE; ++m) LoadFloats<T, VEC>(static_cast<const T*>(a.dy_more[m]) + off + col, more[m]);
+#pragma unroll
+          for (int m = 0; m < MORE; ++m)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) dy[i][j] += more[m][j];
+        }
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           xh[i][j] = (xh[i][j] - mean) * rstd;
@@ -297,6 +308,14 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY ? 2 : 1) LayerNorm
   for (int c = tid; c < 2 * H; c += nthreads) part[c] = fold[c];
 }
 
+// dy[c] plus the extra cotangents of the row at `off`, in the kernels' order.
+template <typename T>
+__device__ __forceinline__ float DyAt(const LayerNormBwdArgs& a, const T* dy, int64_t off, int64_t c) {
+  float d = ToFloat(dy[c]);
+  for (int m = 0; m < a.n_more; ++m) d += ToFloat(static_cast<const T*>(a.dy_more[m])[off + c]);
+  return d;
+}
+
 // Large hidden: persistent blocks, one row at a time; each block accumulates its
 // dgamma/dbeta partial row directly in its slice of the workspace (each column
 // owned by one thread, so no races).
@@ -316,7 +335,7 @@ __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
     float s1 = 0.f, s2 = 0.f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float xh = (ToFloat(x[c]) - mean) * rstd;
-      const float d = ToFloat(dy[c]);
+      const float d = DyAt<T>(a, dy, off, c);
       const float gd = d * ToFloat(gamma[c]);
       s1 += gd;
       s2 += gd * xh;
@@ -329,7 +348,7 @@ __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
     T* dx = static_cast<T*>(a.dx) + off;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float xh = (ToFloat(x[c]) - mean) * rstd;
-      float o = rstd * (ToFloat(dy[c]) * ToFloat(gamma[c]) - s1 - xh * s2);
+      float o = rstd * (DyAt<T>(a, dy, off, c) * ToFloat(gamma[c]) - s1 - xh * s2);
       if constexpr (RES) o += ToFloat(static_cast<const T*>(a.dsum)[off + c]);
       dx[c] = FromFloat<T>(o);
     }
@@ -419,6 +438,19 @@ cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The register-path backward for MORE extra cotangents: 16-byte accesses or scalar
+// ones, with or without the residual branch's gradient; bfloat16 with it loads that
+// gradient early (EARLY).
+template <typename T, int MORE>
+auto PickBwdKernel(bool wide, bool res) -> void (*)(LayerNormBwdArgs) {
+  constexpr int kVec = kPack<T>;
+  constexpr bool kEarlyRes = std::is_same_v<T, __nv_bfloat16>;
+  if (!wide) return res ? LayerNormBwdKernel<T, 1, true, kBwdElems, false, MORE>
+                        : LayerNormBwdKernel<T, 1, false, kBwdElems, false, MORE>;
+  return res ? LayerNormBwdKernel<T, kVec, true, kBwdElems, kEarlyRes, MORE>
+             : LayerNormBwdKernel<T, kVec, false, kBwdElems, false, MORE>;
+}
+
 template <typename T>
 cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   if (a.hidden == 0) return cudaSuccess;
@@ -428,10 +460,13 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
     return cudaGetLastError();
   }
   const bool res = a.dsum != nullptr;
-  const int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
+  if (a.n_more < 0 || a.n_more > kLayerNormMaxExtraDy) return cudaErrorInvalidValue;
+  int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
+  for (int m = 0; m < a.n_more; ++m) vec = std::min(vec, PickVec<T>(a.hidden, {a.dy_more[m]}));
   constexpr int kVec = kPack<T>;
   const int opt = GetKernelOption(kLayerNormBwdElems);
-  const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && (opt == 16 || opt == 32) ? opt : kBwdElems;
+  const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && a.n_more == 0 && (opt == 16 || opt == 32)
+                        ? opt : kBwdElems;
   const int max_threads = BwdMaxThreads(elems);
   // Row groups of whole warps rather than a power of two when a row needs more than one
   // warp (hidden 768: 96 threads, not 128 with 32 idle).
@@ -447,12 +482,16 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
     const int ry_used = (int)std::min<int64_t>(ry, a.rows);
     dim3 block(tpr, ry_used);
     parts = (int)std::min<int64_t>((a.rows + ry_used - 1) / ry_used, a.max_parts);
-    auto k = vec == kVec ? (res ? LayerNormBwdKernel<T, kVec, true> : LayerNormBwdKernel<T, kVec, false>)
-                         : (res ? LayerNormBwdKernel<T, 1, true> : LayerNormBwdKernel<T, 1, false>);
+    void (*k)(LayerNormBwdArgs) = nullptr;
+    switch (a.n_more) {
+      case 0: k = PickBwdKernel<T, 0>(vec == kVec, res); break;
+      case 1: k = PickBwdKernel<T, 1>(vec == kVec, res); break;
+      case 2: k = PickBwdKernel<T, 2>(vec == kVec, res); break;
+      default: k = PickBwdKernel<T, 3>(vec == kVec, res); break;
+    }
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
       if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
-      if (res && elems == kBwdElems && vec == kVec) k = LayerNormBwdKernel<T, kVec, true, kBwdElems, true>;
     }
     if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     k<<<parts, block, smem, stream>>>(a);

@@ -19,6 +19,8 @@ struct LayerNormFwdArgs {
   float eps;
 };
 
+constexpr int kLayerNormMaxExtraDy = 3;
+
 struct LayerNormBwdArgs {
   const void* dy;     // (rows, hidden), T
   const void* dsum;   // (rows, hidden), T: cotangent of the returned sum, or nullptr
@@ -32,6 +34,11 @@ struct LayerNormBwdArgs {
   float* partials;    // (max_parts, 2, hidden) workspace
   int64_t max_parts;
   int64_t rows, hidden;
+  // More cotangents of the output (rows, hidden), T, added to dy in float32 as they are
+  // loaded: the gradient of an output that feeds several consumers, summed here instead
+  // of by a separate pass. dy_more[0 .. n_more).
+  const void* dy_more[kLayerNormMaxExtraDy];
+  int n_more;
 };
 
 template <typename T>

@@ -97,6 +97,29 @@ def _add_bwd_cuda(dy, dsum, x, gamma, mean, rstd):
     return dx, dg, db
 
 
+def _multi_bwd_ref(*args, n_dy, has_dsum):
+    # dy_0 .. dy_{n-1} [, dsum], x, gamma, mean, rstd: the cotangents of y summed in
+    # float32 in this order (as the kernel adds them while loading).
+    dys, rest = args[:n_dy], args[n_dy:]
+    dsum = rest[0] if has_dsum else None
+    x, gamma, mean, rstd = rest[1:] if has_dsum else rest
+    dy = dys[0].astype(F32)
+    for d in dys[1:]:
+        dy = dy + d.astype(F32)
+    dx, dg, db = _bwd_reference(dy, x, gamma, mean, rstd)
+    if dsum is not None:
+        dx = dx + dsum.astype(F32)
+    return dx.astype(x.dtype), dg, db
+
+
+def _multi_bwd_cuda(*args, n_dy, has_dsum):
+    cts = args[:n_dy + has_dsum]
+    x, gamma, mean, rstd = args[n_dy + has_dsum:]
+    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_layer_norm_bwd_multi", _bwd_types(x), vmap_method="sequential")(
+        x, gamma, mean, rstd, *cts, has_dsum=np.int32(has_dsum))
+    return dx, dg, db
+
+
 _R1, _R0, _P = Role(ROWS, 1), Role(ROWS, 0), Role(PARAM)
 _FWD = FusedKernel("jax_ls2_layer_norm_fwd", _fwd_reference, _fwd_cuda,
                    operands=(_R1, _P, _P), results=(_R1, _R0, _R0))
@@ -169,8 +192,43 @@ def _layer_norm_keep_input_bwd(eps, res, cts):
 
 _layer_norm_keep_input.defvjp(_layer_norm_keep_input_fwd, _layer_norm_keep_input_bwd, optimize_remat=True)
 
+# Most copies of y the backward kernel sums (csrc/kernels/layer_norm.h: 1 + kLayerNormMaxExtraDy).
+MAX_COPIES = 4
 
-def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input: bool = False):
+
+@functools.lru_cache(maxsize=None)
+def _multi_bwd_kernel(n_dy: int, has_dsum: bool) -> FusedKernel:
+    operands = (_R1,) * (n_dy + has_dsum) + (_R1, _P, _R0, _R0)
+    return FusedKernel("jax_ls2_layer_norm_bwd_multi",
+                       functools.partial(_multi_bwd_ref, n_dy=n_dy, has_dsum=has_dsum),
+                       functools.partial(_multi_bwd_cuda, n_dy=n_dy, has_dsum=has_dsum),
+                       operands=operands, results=(_R1, Role(SUM), Role(SUM)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _layer_norm_copies(x, gamma, beta, eps, copies, keep_input):
+    y = _FWD(x, gamma, beta, eps=eps)[0]
+    return (y,) * copies + ((x,) if keep_input else ())
+
+
+def _layer_norm_copies_fwd(x, gamma, beta, eps, copies, keep_input):
+    y, mean, rstd = _FWD(x, gamma, beta, eps=eps)
+    return (y,) * copies + ((x,) if keep_input else ()), (x, gamma, mean, rstd)
+
+
+def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
+    # Each copy of y has its own consumers; their cotangents (and, with keep_input, that
+    # of x's other uses) are added inside the kernel instead of by separate passes.
+    x, gamma, mean, rstd = res
+    dx, dg, db = _multi_bwd_kernel(copies, keep_input)(*cts, x, gamma, mean, rstd)
+    return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
+
+
+_layer_norm_copies.defvjp(_layer_norm_copies_fwd, _layer_norm_copies_bwd, optimize_remat=True)
+
+
+def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input: bool = False,
+               copies: int = 1):
     """LayerNorm over the last axis: ``(s - mean) / sqrt(var + eps) * gamma + beta``.
 
     Args:
@@ -184,10 +242,16 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input
       return_input: without ``residual``, return ``(y, x)``: a pre-LN block that feeds
         the returned ``x`` to its residual branch gets the gradient of that branch added
         to ``dx`` inside the backward kernel instead of by a separate elementwise add.
+      copies: without ``residual``, return ``y`` this many times (2 to 4) as a tuple,
+        one per consumer (say the q, k and v projections): the backward kernel adds
+        their gradients as it reads them, where JAX would otherwise sum them in a
+        separate pass first. The gradients are summed in float32, not rounded to
+        ``x.dtype`` in between.
 
     Returns:
       ``y`` of ``x``'s shape and dtype; with ``residual``, the pair ``(y, s)`` so the
-      sum can feed the next residual branch; with ``return_input``, ``(y, x)``.
+      sum can feed the next residual branch; with ``return_input``, ``(y, x)``; with
+      ``copies=k``, ``(y, ..., y)`` (k of them), followed by ``x`` with ``return_input``.
 
     Statistics (mean, rstd) and every accumulation are float32. The backward pass
     keeps ``x`` (or ``s``), ``gamma`` and the float32 mean and rstd per row.
@@ -207,8 +271,14 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input
     beta = beta.astype(x.dtype)
     if not isinstance(return_input, bool):
         raise TypeError(f"{op}: return_input must be a Python bool, got {type(return_input).__name__}")
+    if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_COPIES:
+        raise ValueError(f"{op}: copies must be a Python int from 1 to {MAX_COPIES}, got {copies!r}")
+    if copies > 1 and residual is not None:
+        raise ValueError(f"{op}: copies applies without residual (with residual, the sum is returned)")
     if residual is None:
         x, gamma, beta = match_varying(x, gamma, beta)
+        if copies > 1:
+            return _layer_norm_copies(x, gamma, beta, float(eps), copies, return_input)
         if return_input:
             return _layer_norm_keep_input(x, gamma, beta, float(eps))
         return _layer_norm(x, gamma, beta, float(eps))
