@@ -95,6 +95,38 @@ def test_decoder_stack_batched_cross_kv_equals_per_layer(pre_ln):
     _close(_grads(twin, lambda m: m(x, mem)), gb)
 
 
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_encoder_stack_equals_twin(pre_ln):
+    """Post-LN, each layer hands the next four copies of its output (output_copies=4):
+    outputs and gradients stay those of the twin."""
+    enc = nn.TransformerEncoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True, rngs=nnx.Rngs(0))
+    twin = plain.TransformerEncoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True, rngs=nnx.Rngs(4))
+    nnx.update(twin, nnx.state(enc, nnx.Param))
+    x = _x((2, 5, H))
+    pad = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
+    call = lambda m: m(x, padding_mask=pad)
+    _close(call(enc), call(twin))
+    _close(_grads(enc, call), _grads(twin, call))
+
+
+def test_output_copies_validation():
+    post = nn.TransformerEncoderLayer(H, F, N, pre_layer_norm=False, deterministic=True, rngs=nnx.Rngs(0))
+    pre = nn.TransformerEncoderLayer(H, F, N, deterministic=True, rngs=nnx.Rngs(0))
+    x = _x((2, 5, H))
+    four = post(x, output_copies=4)
+    assert isinstance(four, tuple) and len(four) == 4
+    _close(four[0], post(x), rtol=0, atol=0)
+    _close(post(four), post(post(x)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="TransformerEncoderLayer: output_copies must be 1 or 4, got 2"):
+        post(x, output_copies=2)
+    with pytest.raises(ValueError, match="output_copies applies to post-LN layers"):
+        pre(x, output_copies=4)
+    with pytest.raises(ValueError, match="x may be a tuple only of the 4 copies"):
+        pre(four)
+    with pytest.raises(ValueError, match="x may be a tuple only of the 4 copies"):
+        post(four[:2])
+
+
 def test_dropout_train_eval_and_keys():
     layer = nn.TransformerEncoderLayer(H, F, N, attn_dropout=0.2, hidden_dropout=0.2,
                                        activation_dropout=0.2, rngs=nnx.Rngs(0, dropout=3))

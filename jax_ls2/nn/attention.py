@@ -119,28 +119,44 @@ class MultiHeadAttention(nnx.Module):
         return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
                          axis=-3)
 
-    def _project_parts(self, x, linear, parts):
+    def _project_parts(self, xs, linear, parts):
         """``x @ kernel + bias`` split into `parts` (batch, len, heads, head_dim) arrays,
         as one GEMM per part on a column slice of the kernel: slicing the kernel (and
         joining its gradient) moves hidden x hidden weights, where slicing the fused
         output (and concatenating the three activation gradients in the backward) moves
-        batch x len x hidden activations each time."""
+        batch x len x hidden activations each time. `xs`: one input per part (copies of
+        the same activations, see `context`)."""
         kernel, bias = linear.kernel[...], linear.bias[...]
-        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        *xs, kernel, bias = dtypes.promote_dtype((*xs, kernel, bias), dtype=self.dtype)
         h = self.hidden_size
         return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
-            *x.shape[:-1], self.num_heads, self.head_dim) for i in range(parts)]
+            *x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
 
     def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, key=None,
                 deterministic=True):
         """Attention output before the ``out`` projection: (batch, q_len, hidden).
 
-        x: (batch, q_len, hidden). memory: (batch, k_len, hidden) for cross-attention, or
-        kv: its precomputed ``memory @ kv.kernel + kv.bias`` (batch, k_len, 2*hidden).
+        x: (batch, q_len, hidden); for self-attention also a tuple of three such arrays,
+        the inputs of the q, k and v projections (equal values: copies from
+        ``LayerNorm(..., copies=3)``, whose backward then sums their gradients).
+        memory: (batch, k_len, hidden) for cross-attention, or kv: its precomputed
+        ``memory @ kv.kernel + kv.bias`` (batch, k_len, 2*hidden).
         """
+        xs = tuple(x) if isinstance(x, (tuple, list)) else None
+        if xs is not None:
+            if not self.self_attention or len(xs) != 3:
+                raise ValueError("MultiHeadAttention: a tuple x must hold the 3 inputs of the q, k, v "
+                                 f"projections of self-attention, got {len(xs)} arrays"
+                                 + ("" if self.self_attention else " for cross-attention"))
+            for name, xi in zip(("x[0]", "x[1]", "x[2]"), xs):
+                check_hidden("MultiHeadAttention", xi, self.hidden_size, name)
+            if any(xi.shape != xs[0].shape for xi in xs):
+                raise ValueError(f"MultiHeadAttention: the q, k, v inputs must share one shape, got "
+                                 f"{[tuple(xi.shape) for xi in xs]}")
+            x = xs[0]
         check_hidden("MultiHeadAttention", x, self.hidden_size)
         if self.self_attention:
-            q, k, v = self._project_parts(x, self.qkv, 3)
+            q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:
             q = self.q(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             if kv is None:

@@ -24,7 +24,9 @@ class LayerNorm(nnx.Module):
     x: (..., num_features); statistics fp32; output in ``dtype`` (None: promote x and params).
     ``__call__(x, residual=r)`` returns (LN(x + r), x + r); ``__call__(x, return_input=True)``
     returns (LN(x), x) in the compute dtype, for a residual branch whose gradient the
-    backward kernel then adds (see ``ops.layer_norm``).
+    backward kernel then adds (see ``ops.layer_norm``). ``copies=k`` returns LN(x) k
+    times (then x with ``return_input``), one per consumer, whose gradients the backward
+    kernel sums.
     """
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-5, dtype=None,
@@ -34,14 +36,14 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
 
-    def __call__(self, x, residual=None, *, return_input: bool = False):
+    def __call__(self, x, residual=None, *, return_input: bool = False, copies: int = 1):
         check_hidden("LayerNorm", x, self.num_features)
         dtype = self.dtype or dtypes.promote_dtype((x, self.scale[...]), dtype=None)[0].dtype
         x = x.astype(dtype)
         if residual is not None:
             residual = residual.astype(dtype)
         return ops.layer_norm(x, self.scale[...], self.bias[...], eps=self.epsilon,
-                              residual=residual, return_input=return_input)
+                              residual=residual, return_input=return_input, copies=copies)
 
 
 class Dropout(nnx.Module):
@@ -102,13 +104,50 @@ class _Block(nnx.Module):
         key = draw_key(self._owner, self.rngs, rngs)
         return det, [jax.random.fold_in(key, i) for i in range(n)]
 
-    def _residual(self, sub, x, ln, det, key):
-        """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias)."""
-        h, x = ln(x, return_input=True) if self.pre_layer_norm else (x, x)
+    def _residual(self, sub, x, ln, det, key, *, uses: int = 1, next_uses: int = 1):
+        """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias).
+
+        Each consumer of a LayerNorm output gets its own copy (``copies`` of the op), so
+        the backward kernel sums their gradients instead of a separate pass: pre-LN, `sub`
+        takes LN(x) `uses` times (a tuple when > 1; the q, k, v projections) and the
+        residual branch gets x; post-LN, `x` may be a tuple of copies from the previous
+        LayerNorm, the inputs of sub then the residual (a pair, or four for the q, k, v
+        projections and the residual), and with ``next_uses=k`` this one returns k copies
+        for the next.
+        """
+        if self.pre_layer_norm:
+            *hs, x_res = ln(x, return_input=True, copies=uses)
+        else:
+            *hs, x_res = x if isinstance(x, tuple) else (x, x)
+        h = tuple(hs) if len(hs) > 1 else hs[0]
         y, b = sub(h)
-        out = ops.bias_dropout_residual(y, b, x.astype(y.dtype), rate=self.hidden_dropout,
+        out = ops.bias_dropout_residual(y, b, x_res.astype(y.dtype), rate=self.hidden_dropout,
                                         key=key, deterministic=det)
-        return out if self.pre_layer_norm else ln(out)
+        if self.pre_layer_norm:
+            return out
+        return ln(out, copies=next_uses) if next_uses > 1 else ln(out)
+
+    def _check_copies(self, x, output_copies):
+        """x, checked: an array, or (post-LN) the four copies a previous layer returned
+        with ``output_copies=4``."""
+        o = self._owner
+        if isinstance(output_copies, bool) or output_copies not in (1, 4):
+            raise ValueError(f"{o}: output_copies must be 1 or 4, got {output_copies!r}")
+        if output_copies > 1 and self.pre_layer_norm:
+            raise ValueError(f"{o}: output_copies applies to post-LN layers (pre_layer_norm=False)")
+        if isinstance(x, (tuple, list)):
+            if self.pre_layer_norm or len(x) != 4:
+                raise ValueError(f"{o}: x may be a tuple only of the 4 copies a post-LN layer returns "
+                                 f"with output_copies=4, got {len(x)} arrays"
+                                 + (" for a pre-LN layer" if self.pre_layer_norm else ""))
+            for i, xi in enumerate(x):
+                check_hidden(o, xi, self.hidden_size, f"x[{i}]")
+                if xi.shape != x[0].shape:
+                    raise ValueError(f"{o}: the copies in x must share one shape, got "
+                                     f"{[tuple(a.shape) for a in x]}")
+            return tuple(x)
+        check_hidden(o, x, self.hidden_size)
+        return x
 
     def _ffn(self, h, det, key):
         y, b = matmul(h, self.fc1, self.dtype)
@@ -141,8 +180,12 @@ _DOC_ARGS = """
 class TransformerEncoderLayer(_Block):
     __doc__ = """Encoder layer: self-attention + FFN, each with a residual.
 
-    ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None)``:
-    x (batch, len, hidden) -> same shape; padding_mask bool (batch, len), True = token.
+    ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None,
+    output_copies=1)``: x (batch, len, hidden) -> same shape; padding_mask bool (batch,
+    len), True = token. Post-LN, ``output_copies=4`` returns the closing LayerNorm's
+    output four times, which the next post-LN layer takes as its x (the inputs of its q,
+    k, v projections and its residual): the backward kernel of that LayerNorm then sums
+    the four gradients instead of a separate pass.
     """ + _DOC_ARGS
     _owner = "TransformerEncoderLayer"
     _cross = False
@@ -160,12 +203,13 @@ class TransformerEncoderLayer(_Block):
                     deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
-                 deterministic: bool | None = None, rngs=None):
-        check_hidden(self._owner, x, self.hidden_size)
+                 deterministic: bool | None = None, rngs=None, output_copies: int = 1):
+        x = self._check_copies(x, output_copies)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
-                                          causal=causal), x, self.attn_ln, det, k_r1)
-        return self._residual(lambda h: self._ffn(h, det, k_act), x, self.ffn_ln, det, k_r2)
+                                          causal=causal), x, self.attn_ln, det, k_r1, uses=3, next_uses=2)
+        return self._residual(lambda h: self._ffn(h, det, k_act), x, self.ffn_ln, det, k_r2,
+                              next_uses=output_copies)
 
 
 class TransformerDecoderLayer(_Block):
@@ -192,15 +236,17 @@ class TransformerDecoderLayer(_Block):
                     deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, memory=None, *, cross_kv=None, padding_mask=None,
-                 memory_padding_mask=None, deterministic: bool | None = None, rngs=None):
-        check_hidden(self._owner, x, self.hidden_size)
+                 memory_padding_mask=None, deterministic: bool | None = None, rngs=None,
+                 output_copies: int = 1):
+        x = self._check_copies(x, output_copies)
         det, keys = self._keys(deterministic, rngs, 6)
         x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
-                                          causal=True), x, self.attn_ln, det, keys[1])
+                                          causal=True), x, self.attn_ln, det, keys[1], uses=3, next_uses=2)
         x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
                                           kv=cross_kv, padding_mask=memory_padding_mask),
-                           x, self.cross_ln, det, keys[3])
-        return self._residual(lambda h: self._ffn(h, det, keys[4]), x, self.ffn_ln, det, keys[5])
+                           x, self.cross_ln, det, keys[3], next_uses=2)
+        return self._residual(lambda h: self._ffn(h, det, keys[4]), x, self.ffn_ln, det, keys[5],
+                              next_uses=output_copies)
 
 
 def TransformerLayer(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,

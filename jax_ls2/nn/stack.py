@@ -8,6 +8,8 @@ per-layer form (``batched_cross_kv=False``).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,6 +50,13 @@ def _final_layer_norm(hidden_size, final_layer_norm, layer_kw):
                      dtype=layer_kw.get("dtype"), param_dtype=layer_kw.get("param_dtype", jnp.float32))
 
 
+def _copies_for_next(layers, i) -> int:
+    """Post-LN: every layer but the last hands the next one four copies of its output
+    (q, k, v projections and residual), whose gradients the closing LayerNorm's backward
+    kernel sums."""
+    return 4 if i + 1 < len(layers) and not layers[i].pre_layer_norm and not layers[i + 1].pre_layer_norm else 1
+
+
 class TransformerEncoder(nnx.Module):
     """``num_layers`` `TransformerEncoderLayer` s (``layers``) and, when
     ``final_layer_norm`` (default: pre_layer_norm), a last LayerNorm ``final_ln``.
@@ -70,10 +79,12 @@ class TransformerEncoder(nnx.Module):
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None):
-        def run(layer, x):
-            return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic)
-        for layer in self.layers:
-            x = remat_call(layer, run, x) if self.remat else run(layer, x)
+        def run(layer, x, *, copies):
+            return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic,
+                         output_copies=copies)
+        for i, layer in enumerate(self.layers):
+            fn = functools.partial(run, copies=_copies_for_next(self.layers, i))
+            x = remat_call(layer, fn, x) if self.remat else fn(layer, x)
         return x if self.final_ln is None else self.final_ln(x)
 
 
@@ -111,10 +122,11 @@ class TransformerDecoder(nnx.Module):
                  deterministic: bool | None = None):
         kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
 
-        def run(layer, x, kv):
+        def run(layer, x, kv, *, copies):
             return layer(x, None if kv is not None else memory, cross_kv=kv,
                          padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
-                         deterministic=deterministic)
-        for layer, kv in zip(self.layers, kvs):
-            x = remat_call(layer, run, x, kv) if self.remat else run(layer, x, kv)
+                         deterministic=deterministic, output_copies=copies)
+        for i, (layer, kv) in enumerate(zip(self.layers, kvs)):
+            fn = functools.partial(run, copies=_copies_for_next(self.layers, i))
+            x = remat_call(layer, fn, x, kv) if self.remat else fn(layer, x, kv)
         return x if self.final_ln is None else self.final_ln(x)
