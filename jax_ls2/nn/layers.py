@@ -123,9 +123,7 @@ class _Block(nnx.Module):
         y, b = sub(h)
         out = ops.bias_dropout_residual(y, b, x_res.astype(y.dtype), rate=self.hidden_dropout,
                                         key=key, deterministic=det)
-        if self.pre_layer_norm:
-            return out
-        return ln(out, copies=next_uses) if next_uses > 1 else ln(out)
+        return out if self.pre_layer_norm else ln(out, copies=next_uses)
 
     def _check_copies(self, x, output_copies):
         """x, checked: an array, or (post-LN) the four copies a previous layer returned
@@ -216,9 +214,10 @@ class TransformerDecoderLayer(_Block):
     __doc__ = """Decoder layer: causal self-attention, cross-attention, FFN.
 
     ``__call__(x, memory=None, *, cross_kv=None, padding_mask=None, memory_padding_mask=None,
-    deterministic=None, rngs=None)``: x (batch, tgt_len, hidden); memory (batch, src_len,
+    deterministic=None, rngs=None, output_copies=1)``: x (batch, tgt_len, hidden); memory (batch, src_len,
     hidden) or cross_kv, its precomputed ``cross_attn.kv`` projection (batch, src_len,
     2*hidden), as `TransformerDecoder` computes for all layers in one GEMM.
+    ``output_copies=4`` (post-LN): as in `TransformerEncoderLayer`.
     """ + _DOC_ARGS
     _owner = "TransformerDecoderLayer"
     _cross = True
