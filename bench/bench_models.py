@@ -110,6 +110,9 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
     host_ms = 1e3 * host / (len(times) * group)
     if os.environ.get("JAX_LS2_PROFILE_TOP"):
         print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
+    if os.environ.get("JAX_LS2_PROFILE_HLO"):
+        print_fusions(step.lower(state, batches[0]).compile().as_text(),
+                      os.environ["JAX_LS2_PROFILE_HLO"].split(","))
     ms = 1e3 * np.asarray(times)
     med = float(np.median(ms))
     units = data.tokens_in(cfg, batches[0])
@@ -145,6 +148,19 @@ def print_top_kernels(run, state, top, steps=3):
         print_idle(prof, steps)
     except Exception as err:  # the summaries are an aid; never fail the benchmark on them
         print(f"(no kind or idle summary: {err!r})", file=sys.stderr)
+
+
+def print_fusions(hlo_text: str, names):
+    """Prints the optimized HLO of the named kernels (fusion names from the kernel
+    profile): the calling instruction and the fused computation it runs."""
+    import re
+    for name in names:
+        call = re.search(rf"^\s*(ROOT )?%?{re.escape(name)} = .*$", hlo_text, re.M)
+        print(f"  ==== {name}: " + (call.group(0).strip()[:600] if call else "not found"), file=sys.stderr)
+        comp = re.search(r"calls=%?([\w.\-]+)", call.group(0)) if call else None
+        body = comp and re.search(rf"^%?{re.escape(comp.group(1))} .*?^}}", hlo_text, re.M | re.S)
+        if body:
+            print("\n".join("  | " + l for l in body.group(0)[:3000].splitlines()), file=sys.stderr)
 
 
 def print_kinds(events, steps):
@@ -245,7 +261,7 @@ def main(argv=None):
             cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
             proc = subprocess.run(cmd, capture_output=True, text=True)
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if os.environ.get("JAX_LS2_PROFILE_TOP"):
+            if os.environ.get("JAX_LS2_PROFILE_TOP") or os.environ.get("JAX_LS2_PROFILE_HLO"):
                 print(f"---- {name}/{impl}\n" + "\n".join(
                     l for l in proc.stderr.splitlines()
                     if l.startswith(("device time", "  ", "by kind", "kernels per step", "(no kind"))))

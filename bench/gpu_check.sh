@@ -2,7 +2,7 @@
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
-# Env: PACK_TO, TEST_FILES, SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+# Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ for step in $STEPS; do
       # host, and the GPU memory is shared (no preallocation).
       pids=()
       for f in ${TEST_FILES:-tests/test_*.py}; do
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-400} $PY -m pytest "$f" -m gpu -q \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-400} $PY -m pytest "$f" -m gpu -q ${TEST_K:+-k "$TEST_K"} \
           -p no:cacheprovider >"$OUT/gpu_tests_$(basename "$f" .py).log" 2>&1 &
         pids+=($!)
       done
