@@ -155,7 +155,9 @@ def print_fusions(hlo_text: str, names):
     profile): the calling instruction and the fused computation it runs."""
     import re
     for name in names:
-        call = re.search(rf"^\s*(ROOT )?%?{re.escape(name)} = .*$", hlo_text, re.M)
+        # Kernel names spell the HLO name's dots as underscores (fusion.704 -> fusion_704).
+        pattern = re.escape(name).replace("_", "[_.]")
+        call = re.search(rf"^\s*(ROOT )?%?{pattern} = .*$", hlo_text, re.M)
         print(f"  ==== {name}: " + (call.group(0).strip()[:600] if call else "not found"), file=sys.stderr)
         comp = re.search(r"calls=%?([\w.\-]+)", call.group(0)) if call else None
         body = comp and re.search(rf"^%?{re.escape(comp.group(1))} .*?^}}", hlo_text, re.M | re.S)

@@ -95,11 +95,13 @@ def test_decoder_stack_batched_cross_kv_equals_per_layer(pre_ln):
     _close(_grads(twin, lambda m: m(x, mem)), gb)
 
 
+@pytest.mark.parametrize("layout", ["auto", "seq"])
 @pytest.mark.parametrize("pre_ln", [True, False])
-def test_encoder_stack_equals_twin(pre_ln):
+def test_encoder_stack_equals_twin(pre_ln, layout):
     """Post-LN, each layer hands the next four copies of its output (output_copies=4):
-    outputs and gradients stay those of the twin."""
-    enc = nn.TransformerEncoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True, rngs=nnx.Rngs(0))
+    outputs and gradients stay those of the twin, in either layout."""
+    enc = nn.TransformerEncoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True, layout=layout,
+                                rngs=nnx.Rngs(0))
     twin = plain.TransformerEncoder(3, H, F, N, pre_layer_norm=pre_ln, deterministic=True, rngs=nnx.Rngs(4))
     nnx.update(twin, nnx.state(enc, nnx.Param))
     x = _x((2, 5, H))
@@ -107,6 +109,40 @@ def test_encoder_stack_equals_twin(pre_ln):
     call = lambda m: m(x, padding_mask=pad)
     _close(call(enc), call(twin))
     _close(_grads(enc, call), _grads(twin, call))
+
+
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_stack_layouts_agree_with_attention_dropout(pre_ln):
+    """Attention dropout active: "auto" runs the layers sequence-first (the attention is
+    GEMMs around the fused softmax) and gives what batch-first gives, masks included
+    (they are drawn over the (batch, heads, q, k) probabilities in both layouts); in eval
+    "auto" stays batch-first. Encoder and decoder (memory transposed with x)."""
+    from jax_ls2.nn.stack import _seq_first
+    x, mem = _x((3, 8, H)), _x((3, 6, H), 1)
+    pad = jnp.arange(8)[None, :] < jnp.array([[8], [5], [2]])
+    results = {}
+    for layout in ("batch", "seq", "auto"):
+        kw = dict(pre_layer_norm=pre_ln, attn_dropout=0.2, layout=layout, rngs=nnx.Rngs(0, dropout=3))
+        enc, dec = nn.TransformerEncoder(2, H, F, N, **kw), nn.TransformerDecoder(2, H, F, N, **kw)
+        if layout == "auto":
+            assert _seq_first("TransformerEncoder", enc, x, False)
+            assert not _seq_first("TransformerEncoder", enc, x, True)
+        results[layout] = [
+            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
+            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
+        if layout == "batch":  # the dropout is active
+            assert abs(float(results[layout][0][0]) - float(jnp.sum(jnp.sin(
+                enc(x, padding_mask=pad, deterministic=True))))) > 1e-3
+    for layout in ("seq", "auto"):
+        _close(results[layout], results["batch"])
+
+
+def test_stack_layout_validation():
+    with pytest.raises(ValueError, match="TransformerEncoder: layout must be one of"):
+        nn.TransformerEncoder(1, H, F, N, layout="tbc", rngs=nnx.Rngs(0))
+    enc = nn.TransformerEncoder(1, H, F, N, layout="seq", deterministic=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"layout='seq' needs x of shape \(batch, len, hidden\)"):
+        enc(_x((5, H)))
 
 
 def test_output_copies_validation():
@@ -268,3 +304,24 @@ def test_validation_messages():
         layer(jnp.ones((2, 3, 16)))
     with pytest.raises(ValueError, match="Dropout: dropout is active.*no rngs"):
         nn.Dropout(0.1, deterministic=False)(jnp.ones((2, 3, H)))
+
+
+@pytest.mark.gpu
+def test_gpu_seq_first_stack_drops_the_attention_transposes():
+    """With attention dropout (GEMMs around the fused softmax), the sequence-first stack
+    compiles to fewer transpose kernels than the batch-first one: q, k, v and their
+    gradients reach the attention GEMMs in place."""
+    import re
+    x = _x((8, 128, 256)).astype(jnp.bfloat16)
+    counts = {}
+    for layout in ("batch", "seq"):
+        enc = nn.TransformerEncoder(2, 256, 512, 4, pre_layer_norm=False, attn_dropout=0.1, layout=layout,
+                                    dtype=jnp.bfloat16, rngs=nnx.Rngs(0, dropout=1))
+        graphdef, state = nnx.split(enc)
+
+        def loss(state, x):
+            m = nnx.merge(graphdef, state)
+            return jnp.sum(m(x, deterministic=False).astype(jnp.float32))
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
+        counts[layout] = len(re.findall(r"^\s*(?:ROOT )?%?\w*transpose[\w.]* = ", text, re.M))
+    assert counts["seq"] + 2 * 2 <= counts["batch"], counts

@@ -51,16 +51,35 @@ def select_backend(requested: str, *, dropout_active: bool, q_len: int, k_len: i
     return "fused" if dropout_active else "xla"
 
 
+def explicit_gemm_path(requested: str, *, dropout_active: bool, q_len: int, k_len: int,
+                       head_dim: int, dtype) -> bool:
+    """Whether attention runs as two XLA GEMMs around a softmax (the "fused" backend, or
+    "xla" with dropout) rather than one fused attention call: the case where the
+    sequence-first layout spares XLA the transposes around the GEMMs."""
+    impl = select_backend(requested, dropout_active=dropout_active, q_len=q_len, k_len=k_len,
+                          head_dim=head_dim, dtype=dtype)
+    return impl == "fused" or (impl == "xla" and dropout_active)
+
+
 def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=None,
-                   deterministic=True, backend="auto"):
+                   deterministic=True, backend="auto", seq_first: bool = False):
     """Scaled dot-product attention.
 
-    q: (batch, q_len, heads, head_dim); k, v: (batch, k_len, heads, head_dim), same dtype.
+    q: (batch, q_len, heads, head_dim); k, v: (batch, k_len, heads, head_dim), same dtype;
+    with ``seq_first`` all three (and the result) are (len, batch, heads, head_dim)
+    instead. The attention GEMMs, batched over (batch, heads), read sequence-first
+    operands in place (one stride between consecutive (batch, head) pairs), where
+    batch-first ones are transposed to (batch, heads, len, head_dim) first and back after.
     padding_mask: optional bool (batch, k_len), True = attend. causal: bottom-right aligned.
-    Softmax statistics are fp32. Returns (batch, q_len, heads, head_dim) in q's dtype.
+    Softmax statistics are fp32. Returns q's layout and dtype. The dropout mask is drawn
+    over the (batch, heads, q_len, k_len) probabilities in either layout.
     """
-    b, tq, n, h = q.shape
-    tk = k.shape[1]
+    if seq_first:
+        tq, b, n, h = q.shape
+        tk = k.shape[0]
+    else:
+        b, tq, n, h = q.shape
+        tk = k.shape[1]
     active = (not deterministic) and rate > 0.0
     impl = select_backend(backend, dropout_active=active, q_len=tq, k_len=tk, head_dim=h,
                           dtype=q.dtype)
@@ -68,13 +87,16 @@ def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=No
     if impl in ("cudnn", "xla") and not active:
         if causal and tq != tk:
             raise ValueError(f"attention: causal needs q_len == k_len here, got {tq} and {tk}")
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                            implementation=impl)
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+        if seq_first:
+            q, k, v = (t.swapaxes(0, 1) for t in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
+        return out.swapaxes(0, 1) if seq_first else out
+    lay = "tbnh" if seq_first else "btnh"
+    scores = jnp.einsum(f"{lay},{lay.replace('t', 's')}->bnts", q, k)
     softmax = ops.softmax_dropout if impl == "fused" else ops.xla_softmax_dropout
     probs = softmax(scores, scale=1.0 / math.sqrt(h), mask=mask, causal=causal, rate=rate,
                     key=key, deterministic=not active)
-    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+    return jnp.einsum(f"bnts,{lay.replace('t', 's')}->{lay}", probs.astype(v.dtype), v)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -132,9 +154,18 @@ class MultiHeadAttention(nnx.Module):
         return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
             *x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
 
+    def explicit_gemm_path(self, q_len: int, k_len: int, dropout_active: bool, dtype) -> bool:
+        """Whether this module's attention runs as XLA GEMMs around a softmax for these
+        lengths (see `explicit_gemm_path`); dtype: the compute dtype."""
+        return explicit_gemm_path(self.attention_backend, dropout_active=dropout_active and self.attn_dropout > 0,
+                                  q_len=q_len, k_len=k_len, head_dim=self.head_dim, dtype=dtype)
+
     def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, key=None,
-                deterministic=True):
+                deterministic=True, seq_first: bool = False):
         """Attention output before the ``out`` projection: (batch, q_len, hidden).
+
+        With ``seq_first``, x, memory, kv and the result are (len, batch, ...) instead
+        (see `attention_core`); padding_mask stays (batch, k_len).
 
         x: (batch, q_len, hidden); for self-attention also a tuple of three such arrays,
         the inputs of the q, k and v projections (equal values: copies from
@@ -170,17 +201,18 @@ class MultiHeadAttention(nnx.Module):
             k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
         ctx = attention_core(q, k, v, padding_mask=padding_mask, causal=causal,
                              rate=self.attn_dropout, key=key, deterministic=deterministic,
-                             backend=self.attention_backend)
+                             backend=self.attention_backend, seq_first=seq_first)
         return ctx.reshape(*ctx.shape[:-2], self.hidden_size)
 
     def __call__(self, x, memory=None, *, padding_mask=None, causal=False, kv=None,
-                 deterministic: bool | None = None, rngs=None):
-        """x: (batch, q_len, hidden) -> (batch, q_len, hidden), ``out`` bias included."""
+                 deterministic: bool | None = None, rngs=None, seq_first: bool = False):
+        """x: (batch, q_len, hidden) -> (batch, q_len, hidden), ``out`` bias included;
+        (q_len, batch, hidden) in and out with ``seq_first``."""
         det = resolve_deterministic("MultiHeadAttention", deterministic, self.deterministic)
         key = None
         if not det and self.attn_dropout > 0:
             key = draw_key("MultiHeadAttention", self.rngs, rngs)
         ctx = self.context(x, memory, padding_mask=padding_mask, causal=causal, kv=kv, key=key,
-                           deterministic=det)
+                           deterministic=det, seq_first=seq_first)
         y, b = matmul(ctx, self.out, self.dtype)
         return y + b

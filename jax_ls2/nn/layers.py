@@ -179,8 +179,10 @@ class TransformerEncoderLayer(_Block):
     __doc__ = """Encoder layer: self-attention + FFN, each with a residual.
 
     ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None,
-    output_copies=1)``: x (batch, len, hidden) -> same shape; padding_mask bool (batch,
-    len), True = token. Post-LN, ``output_copies=4`` returns the closing LayerNorm's
+    output_copies=1, seq_first=False)``: x (batch, len, hidden) -> same shape, or (len,
+    batch, hidden) with ``seq_first`` (the layout whose attention GEMMs need no
+    transposes when attention is not one fused call; `TransformerEncoder` picks it);
+    padding_mask bool (batch, len), True = token. Post-LN, ``output_copies=4`` returns the closing LayerNorm's
     output four times, which the next post-LN layer takes as its x (the inputs of its q,
     k, v projections and its residual): the backward kernel of that LayerNorm then sums
     the four gradients instead of a separate pass.
@@ -201,11 +203,12 @@ class TransformerEncoderLayer(_Block):
                     deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
-                 deterministic: bool | None = None, rngs=None, output_copies: int = 1):
+                 deterministic: bool | None = None, rngs=None, output_copies: int = 1,
+                 seq_first: bool = False):
         x = self._check_copies(x, output_copies)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
-                                          causal=causal), x, self.attn_ln, det, k_r1, uses=3, next_uses=2)
+                                          causal=causal, seq_first=seq_first), x, self.attn_ln, det, k_r1, uses=3, next_uses=2)
         return self._residual(lambda h: self._ffn(h, det, k_act), x, self.ffn_ln, det, k_r2,
                               next_uses=output_copies)
 
@@ -214,9 +217,10 @@ class TransformerDecoderLayer(_Block):
     __doc__ = """Decoder layer: causal self-attention, cross-attention, FFN.
 
     ``__call__(x, memory=None, *, cross_kv=None, padding_mask=None, memory_padding_mask=None,
-    deterministic=None, rngs=None, output_copies=1)``: x (batch, tgt_len, hidden); memory (batch, src_len,
+    deterministic=None, rngs=None, output_copies=1, seq_first=False)``: x (batch, tgt_len, hidden); memory (batch, src_len,
     hidden) or cross_kv, its precomputed ``cross_attn.kv`` projection (batch, src_len,
-    2*hidden), as `TransformerDecoder` computes for all layers in one GEMM.
+    2*hidden), as `TransformerDecoder` computes for all layers in one GEMM. With
+    ``seq_first`` x, memory, cross_kv and the result are (len, batch, ...).
     ``output_copies=4`` (post-LN): as in `TransformerEncoderLayer`.
     """ + _DOC_ARGS
     _owner = "TransformerDecoderLayer"
@@ -236,13 +240,15 @@ class TransformerDecoderLayer(_Block):
 
     def __call__(self, x, memory=None, *, cross_kv=None, padding_mask=None,
                  memory_padding_mask=None, deterministic: bool | None = None, rngs=None,
-                 output_copies: int = 1):
+                 output_copies: int = 1, seq_first: bool = False):
         x = self._check_copies(x, output_copies)
         det, keys = self._keys(deterministic, rngs, 6)
         x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
-                                          causal=True), x, self.attn_ln, det, keys[1], uses=3, next_uses=2)
+                                          causal=True, seq_first=seq_first), x, self.attn_ln, det, keys[1],
+                           uses=3, next_uses=2)
         x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
-                                          kv=cross_kv, padding_mask=memory_padding_mask),
+                                          kv=cross_kv, padding_mask=memory_padding_mask,
+                                          seq_first=seq_first),
                            x, self.cross_ln, det, keys[3], next_uses=2)
         return self._residual(lambda h: self._ffn(h, det, keys[4]), x, self.ffn_ln, det, keys[5],
                               next_uses=output_copies)

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_ls2.nn._common import resolve_deterministic
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
+
+LAYOUTS = ("auto", "batch", "seq")
 
 
 def remat_call(layer, fn, *args):
@@ -50,6 +53,28 @@ def _final_layer_norm(hidden_size, final_layer_norm, layer_kw):
                      dtype=layer_kw.get("dtype"), param_dtype=layer_kw.get("param_dtype", jnp.float32))
 
 
+def _check_layout(owner, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"{owner}: layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _seq_first(owner, stack, x, deterministic) -> bool:
+    """The layout the layers run in. "auto": sequence-first when the first layer's
+    self-attention runs as XLA GEMMs around a softmax (active attention dropout, or no
+    fused attention for these shapes): those GEMMs then read q, k, v in place instead of
+    through four transposes each way per layer. Batch-first otherwise (cuDNN attention
+    takes batch-first operands as they are)."""
+    if stack.layout == "seq" and x.ndim != 3:
+        raise ValueError(f"{owner}: layout='seq' needs x of shape (batch, len, hidden), got {tuple(x.shape)}")
+    if stack.layout != "auto" or x.ndim != 3:
+        return stack.layout == "seq"
+    layer = stack.layers[0]
+    det = resolve_deterministic(owner, deterministic, layer.deterministic)
+    dtype = layer.dtype or jnp.promote_types(x.dtype, layer.attn.qkv.kernel[...].dtype)
+    return layer.attn.explicit_gemm_path(x.shape[1], x.shape[1], not det, dtype)
+
+
 def _copies_for_next(layers, i) -> int:
     """Post-LN: every layer but the last hands the next one four copies of its output
     (q, k, v projections and residual), whose gradients the closing LayerNorm's backward
@@ -63,12 +88,16 @@ class TransformerEncoder(nnx.Module):
 
     ``__call__(x, *, padding_mask=None, causal=False, deterministic=None)``:
     x (batch, len, hidden) -> same shape. ``remat=True`` rematerialises each layer.
-    Other keyword arguments go to every layer.
+    ``layout``: the layout the layers run in, "batch", "seq" (sequence-first: the stack
+    transposes x in and the result out) or "auto" (see `_seq_first`). Results agree
+    across layouts; with hidden dropout active, the masks (drawn over the activations'
+    flat index) differ between them. Other keyword arguments go to every layer.
     """
 
     def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
-                 final_layer_norm: bool | None = None, remat: bool = False,
+                 final_layer_norm: bool | None = None, remat: bool = False, layout: str = "auto",
                  rngs: nnx.Rngs, **layer_kw):
+        self.layout = _check_layout("TransformerEncoder", layout)
         if num_layers <= 0:
             raise ValueError(f"TransformerEncoder: num_layers must be positive, got {num_layers}")
         self.layers = nnx.List([TransformerEncoderLayer(hidden_size, ffn_size, num_heads,
@@ -79,13 +108,18 @@ class TransformerEncoder(nnx.Module):
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None):
+        seq_first = _seq_first("TransformerEncoder", self, x, deterministic)
+
         def run(layer, x, *, copies):
             return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic,
-                         output_copies=copies)
+                         output_copies=copies, seq_first=seq_first)
+        if seq_first:
+            x = x.swapaxes(0, 1)
         for i, layer in enumerate(self.layers):
             fn = functools.partial(run, copies=_copies_for_next(self.layers, i))
             x = remat_call(layer, fn, x) if self.remat else fn(layer, x)
-        return x if self.final_ln is None else self.final_ln(x)
+        x = x if self.final_ln is None else self.final_ln(x)
+        return x.swapaxes(0, 1) if seq_first else x
 
 
 class TransformerDecoder(nnx.Module):
@@ -94,11 +128,13 @@ class TransformerDecoder(nnx.Module):
     ``__call__(x, memory, *, padding_mask=None, memory_padding_mask=None, deterministic=None)``:
     x (batch, tgt_len, hidden), memory (batch, src_len, hidden) -> (batch, tgt_len, hidden).
     ``batched_cross_kv=True`` (default) projects memory for all layers in one GEMM.
+    ``layout``: as in `TransformerEncoder` (memory is transposed with x).
     """
 
     def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
                  final_layer_norm: bool | None = None, batched_cross_kv: bool = True,
-                 remat: bool = False, rngs: nnx.Rngs, **layer_kw):
+                 remat: bool = False, layout: str = "auto", rngs: nnx.Rngs, **layer_kw):
+        self.layout = _check_layout("TransformerDecoder", layout)
         if num_layers <= 0:
             raise ValueError(f"TransformerDecoder: num_layers must be positive, got {num_layers}")
         self.layers = nnx.List([TransformerDecoderLayer(hidden_size, ffn_size, num_heads,
@@ -110,7 +146,8 @@ class TransformerDecoder(nnx.Module):
         self.dtype = layer_kw.get("dtype")
 
     def cross_kv(self, memory):
-        """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)."""
+        """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)
+        ((src_len, batch, 2*hidden) from sequence-first memory)."""
         kernels = [l.cross_attn.kv.kernel[...] for l in self.layers]
         biases = [l.cross_attn.kv.bias[...] for l in self.layers]
         kernel, bias = jnp.concatenate(kernels, axis=1), jnp.concatenate(biases, axis=0)
@@ -120,13 +157,17 @@ class TransformerDecoder(nnx.Module):
 
     def __call__(self, x, memory, *, padding_mask=None, memory_padding_mask=None,
                  deterministic: bool | None = None):
+        seq_first = _seq_first("TransformerDecoder", self, x, deterministic)
+        if seq_first:
+            x, memory = x.swapaxes(0, 1), memory.swapaxes(0, 1)
         kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
 
         def run(layer, x, kv, *, copies):
             return layer(x, None if kv is not None else memory, cross_kv=kv,
                          padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
-                         deterministic=deterministic, output_copies=copies)
+                         deterministic=deterministic, output_copies=copies, seq_first=seq_first)
         for i, (layer, kv) in enumerate(zip(self.layers, kvs)):
             fn = functools.partial(run, copies=_copies_for_next(self.layers, i))
             x = remat_call(layer, fn, x, kv) if self.remat else fn(layer, x, kv)
-        return x if self.final_ln is None else self.final_ln(x)
+        x = x if self.final_ln is None else self.final_ln(x)
+        return x.swapaxes(0, 1) if seq_first else x
