@@ -319,9 +319,9 @@ def test_gpu_seq_first_stack_drops_the_attention_transposes():
                                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0, dropout=1))
         graphdef, state = nnx.split(enc)
 
-        def loss(state, x):
+        def grads(state, x):
             m = nnx.merge(graphdef, state)
-            return jnp.sum(m(x, deterministic=False).astype(jnp.float32))
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
+            return nnx.grad(lambda m: jnp.sum(m(x, deterministic=False).astype(jnp.float32)))(m)
+        text = jax.jit(grads).lower(state, x).compile().as_text()
         counts[layout] = len(re.findall(r"^\s*(?:ROOT )?%?\w*transpose[\w.]* = ", text, re.M))
     assert counts["seq"] + 2 * 2 <= counts["batch"], counts

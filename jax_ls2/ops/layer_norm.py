@@ -205,15 +205,23 @@ def _multi_bwd_kernel(n_dy: int, has_dsum: bool) -> FusedKernel:
                        operands=operands, results=(_R1, Role(SUM), Role(SUM)))
 
 
+def _distinct_copies(y, copies):
+    """`copies` references to y's buffer that XLA treats as different values: without
+    the barrier it would see one operand shared by the consumers' GEMMs and merge them
+    (q, k, v projections into one GEMM whose bias add and column slices, and whose
+    weight gradient's concatenated dq|dk|dv, cost full activation passes)."""
+    return tuple(jax.lax.optimization_barrier((y,) * copies))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _layer_norm_copies(x, gamma, beta, eps, copies, keep_input):
     y = _FWD(x, gamma, beta, eps=eps)[0]
-    return (y,) * copies + ((x,) if keep_input else ())
+    return _distinct_copies(y, copies) + ((x,) if keep_input else ())
 
 
 def _layer_norm_copies_fwd(x, gamma, beta, eps, copies, keep_input):
     y, mean, rstd = _FWD(x, gamma, beta, eps=eps)
-    return (y,) * copies + ((x,) if keep_input else ()), (x, gamma, mean, rstd)
+    return _distinct_copies(y, copies) + ((x,) if keep_input else ()), (x, gamma, mean, rstd)
 
 
 def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
