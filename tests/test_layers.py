@@ -1,4 +1,6 @@
 """jax_ls2.nn layers against their plain-Flax twins (flax_models.plain)."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,8 +127,12 @@ def test_stack_layouts_agree_with_attention_dropout(pre_ln):
         kw = dict(pre_layer_norm=pre_ln, attn_dropout=0.2, layout=layout, rngs=nnx.Rngs(0, dropout=3))
         enc, dec = nn.TransformerEncoder(2, H, F, N, **kw), nn.TransformerDecoder(2, H, F, N, **kw)
         if layout == "auto":
-            assert _seq_first("TransformerEncoder", enc, x, False)
-            assert not _seq_first("TransformerEncoder", enc, x, True)
+            # one device: sequence-first under attention dropout, batch-first in eval;
+            # several devices (this test session has 8): always batch-first
+            with mock.patch.object(jax, "device_count", lambda *a: 1):
+                assert _seq_first("TransformerEncoder", enc, x, False)
+                assert not _seq_first("TransformerEncoder", enc, x, True)
+            assert jax.device_count() > 1 and not _seq_first("TransformerEncoder", enc, x, False)
         results[layout] = [
             nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
             nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
@@ -325,3 +331,24 @@ def test_gpu_seq_first_stack_drops_the_attention_transposes():
         text = jax.jit(grads).lower(state, x).compile().as_text()
         counts[layout] = len(re.findall(r"^\s*(?:ROOT )?%?\w*transpose[\w.]* = ", text, re.M))
     assert counts["seq"] + 2 * 2 <= counts["batch"], counts
+
+
+def test_batch_sharded_stack_keeps_its_shards():
+    """Data parallel over 8 devices with every dropout on: the "auto" stack (batch-first
+    when several devices are visible) compiles without gathering activations, and gives
+    the unsharded result."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    enc = nn.TransformerEncoder(2, H, F, N, attn_dropout=0.1, hidden_dropout=0.1, activation_dropout=0.1,
+                                rngs=nnx.Rngs(0, dropout=1))
+    graphdef, state = nnx.split(enc)
+    x = _x((8, 16, H))
+
+    def step(state, x):
+        m = nnx.merge(graphdef, state)
+        return nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, deterministic=False))))(m)
+    fn = jax.jit(step)
+    want = fn(state, x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    assert "all-gather" not in fn.lower(state, xs).compile().as_text()
+    _close(fn(state, xs), want)

@@ -64,11 +64,17 @@ def _seq_first(owner, stack, x, deterministic) -> bool:
     self-attention runs as XLA GEMMs around a softmax (active attention dropout, or no
     fused attention for these shapes): those GEMMs then read q, k, v in place instead of
     through four transposes each way per layer. Batch-first otherwise (cuDNN attention
-    takes batch-first operands as they are)."""
+    takes batch-first operands as they are), and whenever the process sees more than one
+    device: a dropout mask numbers elements by their flat index, which a shard of a
+    sequence-first activation split along batch (dim 1) cannot offset into, so the
+    dropout ops would gather such an activation whole (`layout="seq"` still forces it,
+    e.g. inside `shard_map`, where the layers see per-device arrays)."""
     if stack.layout == "seq" and x.ndim != 3:
         raise ValueError(f"{owner}: layout='seq' needs x of shape (batch, len, hidden), got {tuple(x.shape)}")
     if stack.layout != "auto" or x.ndim != 3:
         return stack.layout == "seq"
+    if jax.device_count() > 1:
+        return False
     layer = stack.layers[0]
     det = resolve_deterministic(owner, deterministic, layer.deterministic)
     dtype = layer.dtype or jnp.promote_types(x.dtype, layer.attn.qkv.kernel[...].dtype)
