@@ -27,10 +27,9 @@ SHAPES = [(256, 128, 768, 12), (32, 512, 768, 12), (16, 1024, 768, 12)]  # batch
 RATE = 0.1
 
 
-def block(x, w, mask, key, seq_first: bool):
+def block(x, w, mask, key, seq_first: bool, n: int):
     """x: (b, t, c) or (t, b, c) bf16; w: (4, c, c) bf16 q, k, v, out kernels; mask (b, t)
-    bool. Returns the block's output in x's layout."""
-    n = 12
+    bool; n heads. Returns the block's output in x's layout."""
     c = x.shape[-1]
     h = c // n
     q, k, v = (jnp.dot(x, w[i]).reshape(*x.shape[:-1], n, h) for i in range(3))
@@ -47,9 +46,9 @@ def block(x, w, mask, key, seq_first: bool):
     return jnp.dot(ctx.reshape(*x.shape[:-1], c), w[3])
 
 
-def train_fn(seq_first):
+def train_fn(seq_first, n):
     def f(x, w, mask, key, dy):
-        y, vjp = jax.vjp(lambda x, w: block(x, w, mask, key, seq_first), x, w)
+        y, vjp = jax.vjp(lambda x, w: block(x, w, mask, key, seq_first, n), x, w)
         return vjp(dy)
     return f
 
@@ -68,7 +67,7 @@ def main():
             shape = (t, b, c) if seq_first else (b, t, c)
             x = jax.random.normal(ks[1], shape).astype(jnp.bfloat16)
             dy = jax.random.normal(ks[2], shape).astype(jnp.bfloat16)
-            f = train_fn(seq_first)
+            f = train_fn(seq_first, n)
             text = jax.jit(f).lower(x, w, mask, key, dy).compile().as_text()
             transposes = len(re.findall(r"^\s*(?:ROOT )?%?\w*transpose\w*[\w.]* = ", text, re.M))
             med, p20, p80 = time_fn(f, [(x, w, mask, key, dy)], reps=30)

@@ -97,7 +97,7 @@ def test_decoder_stack_batched_cross_kv_equals_per_layer(pre_ln):
     _close(_grads(twin, lambda m: m(x, mem)), gb)
 
 
-@pytest.mark.parametrize("layout", ["auto", "seq"])
+@pytest.mark.parametrize("layout", ["batch", "seq"])
 @pytest.mark.parametrize("pre_ln", [True, False])
 def test_encoder_stack_equals_twin(pre_ln, layout):
     """Post-LN, each layer hands the next four copies of its output (output_copies=4):
@@ -126,16 +126,23 @@ def test_stack_layouts_agree_with_attention_dropout(pre_ln):
     for layout in ("batch", "seq", "auto"):
         kw = dict(pre_layer_norm=pre_ln, attn_dropout=0.2, layout=layout, rngs=nnx.Rngs(0, dropout=3))
         enc, dec = nn.TransformerEncoder(2, H, F, N, **kw), nn.TransformerDecoder(2, H, F, N, **kw)
+
+        def run():
+            return [nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
+                    nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
         if layout == "auto":
-            # one device: sequence-first under attention dropout, batch-first in eval;
-            # several devices (this test session has 8): always batch-first
+            # several devices (conftest forces 8 CPU devices): always batch-first
+            assert jax.device_count() > 1
+            assert not _seq_first("TransformerEncoder", enc, x, False)
+            # one device: sequence-first under attention dropout, batch-first in eval
             with mock.patch.object(jax, "device_count", lambda *a: 1):
                 assert _seq_first("TransformerEncoder", enc, x, False)
+                assert _seq_first("TransformerDecoder", dec, x, False, mem)
                 assert not _seq_first("TransformerEncoder", enc, x, True)
-            assert jax.device_count() > 1 and not _seq_first("TransformerEncoder", enc, x, False)
-        results[layout] = [
-            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
-            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
+                assert not _seq_first("TransformerDecoder", dec, x, True, mem)
+                results[layout] = run()
+        else:
+            results[layout] = run()
         if layout == "batch":  # the dropout is active
             assert abs(float(results[layout][0][0]) - float(jnp.sum(jnp.sin(
                 enc(x, padding_mask=pad, deterministic=True))))) > 1e-3
@@ -146,9 +153,14 @@ def test_stack_layouts_agree_with_attention_dropout(pre_ln):
 def test_stack_layout_validation():
     with pytest.raises(ValueError, match="TransformerEncoder: layout must be one of"):
         nn.TransformerEncoder(1, H, F, N, layout="tbc", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="TransformerDecoder: layout must be one of"):
+        nn.TransformerDecoder(1, H, F, N, layout=None, rngs=nnx.Rngs(0))
     enc = nn.TransformerEncoder(1, H, F, N, layout="seq", deterministic=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"layout='seq' needs x of shape \(batch, len, hidden\)"):
         enc(_x((5, H)))
+    dec = nn.TransformerDecoder(1, H, F, N, layout="seq", deterministic=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"TransformerDecoder: layout='seq' needs memory of shape"):
+        dec(_x((2, 5, H)), _x((6, H)))
 
 
 def test_output_copies_validation():
@@ -337,8 +349,9 @@ def test_batch_sharded_stack_keeps_its_shards():
     """Data parallel over 8 devices with every dropout on: the "auto" stack (batch-first
     when several devices are visible) compiles without gathering activations, and gives
     the unsharded result."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from numerics import mesh8
+    mesh = mesh8()
     enc = nn.TransformerEncoder(2, H, F, N, attn_dropout=0.1, hidden_dropout=0.1, activation_dropout=0.1,
                                 rngs=nnx.Rngs(0, dropout=1))
     graphdef, state = nnx.split(enc)

@@ -196,8 +196,8 @@ class MultiHeadAttention(nnx.Module):
                 check_hidden("MultiHeadAttention", memory, self.hidden_size, "memory")
                 kv = self.kv(memory)
             elif kv.shape[-1] != 2 * self.hidden_size:
-                raise ValueError(f"MultiHeadAttention: kv must have shape (batch, k_len, "
-                                 f"{2 * self.hidden_size}), got {tuple(kv.shape)}")
+                raise ValueError(f"MultiHeadAttention: kv must have shape (..., {2 * self.hidden_size}) "
+                                 f"(batch, k_len, ...; k_len first with seq_first), got {tuple(kv.shape)}")
             k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
         ctx = attention_core(q, k, v, padding_mask=padding_mask, causal=causal,
                              rate=self.attn_dropout, key=key, deterministic=deterministic,

@@ -59,19 +59,22 @@ def _check_layout(owner, layout):
     return layout
 
 
-def _seq_first(owner, stack, x, deterministic) -> bool:
+def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
     """The layout the layers run in. "auto": sequence-first when the first layer's
-    self-attention runs as XLA GEMMs around a softmax (active attention dropout, or no
-    fused attention for these shapes): those GEMMs then read q, k, v in place instead of
+    self-attention runs as XLA GEMMs around a softmax (attention dropout active, or
+    ``attention_backend="fused"``): those GEMMs then read q, k, v in place instead of
     through four transposes each way per layer. Batch-first otherwise (cuDNN attention
     takes batch-first operands as they are), and whenever the process sees more than one
     device: a dropout mask numbers elements by their flat index, which a shard of a
     sequence-first activation split along batch (dim 1) cannot offset into, so the
     dropout ops would gather such an activation whole (`layout="seq"` still forces it,
     e.g. inside `shard_map`, where the layers see per-device arrays)."""
-    if stack.layout == "seq" and x.ndim != 3:
-        raise ValueError(f"{owner}: layout='seq' needs x of shape (batch, len, hidden), got {tuple(x.shape)}")
-    if stack.layout != "auto" or x.ndim != 3:
+    if stack.layout == "seq":
+        for name, a in (("x", x), ("memory", memory)):
+            if a is not None and a.ndim != 3:
+                raise ValueError(f"{owner}: layout='seq' needs {name} of shape (batch, len, hidden), "
+                                 f"got {tuple(a.shape)}")
+    if stack.layout != "auto" or x.ndim != 3 or (memory is not None and memory.ndim != 3):
         return stack.layout == "seq"
     if jax.device_count() > 1:
         return False
@@ -96,8 +99,11 @@ class TransformerEncoder(nnx.Module):
     x (batch, len, hidden) -> same shape. ``remat=True`` rematerialises each layer.
     ``layout``: the layout the layers run in, "batch", "seq" (sequence-first: the stack
     transposes x in and the result out) or "auto" (see `_seq_first`). Results agree
-    across layouts; with hidden dropout active, the masks (drawn over the activations'
-    flat index) differ between them. Other keyword arguments go to every layer.
+    across layouts without dropout and with attention dropout alone; the hidden and
+    activation dropout masks, drawn over the activations' flat index, differ between
+    them (so a seed gives another run in the other layout, e.g. on one device against
+    several under "auto": pass ``layout="batch"`` where runs must match across device
+    counts). Other keyword arguments go to every layer.
     """
 
     def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
@@ -163,7 +169,7 @@ class TransformerDecoder(nnx.Module):
 
     def __call__(self, x, memory, *, padding_mask=None, memory_padding_mask=None,
                  deterministic: bool | None = None):
-        seq_first = _seq_first("TransformerDecoder", self, x, deterministic)
+        seq_first = _seq_first("TransformerDecoder", self, x, deterministic, memory)
         if seq_first:
             x, memory = x.swapaxes(0, 1), memory.swapaxes(0, 1)
         kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
