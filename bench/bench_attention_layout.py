@@ -8,6 +8,11 @@ through transposes to (batch, heads, len, head_dim) and back. Sequence-first, th
 them in place. This benchmark measures what that is worth under XLA, and counts the
 transpose kernels in each compiled program.
 
+It also times the q, k, v projections with their biases, fwd + bwd, written on the
+(batch, len, hidden) activations or on their (batch * len, hidden) view, and counts the
+XLA add fusions left in each program (a bias add XLA moves into the GEMM epilogue
+leaves none).
+
     python -m bench.bench_attention_layout --out bench/results
 """
 from __future__ import annotations
@@ -53,6 +58,23 @@ def train_fn(seq_first, n):
     return f
 
 
+def qkv_projection(x, w, bias, flat: bool):
+    """q, k, v = x_i @ w[i] + bias[i] for three distinct copies x_i of x (as the layers'
+    LayerNorm hands them out). x: (b, t, c) bf16; w: (3, c, c); bias: (3, c)."""
+    xs = jax.lax.optimization_barrier((x,) * 3)
+    if flat:
+        return tuple((jnp.dot(xi.reshape(-1, x.shape[-1]), w[i]) + bias[i]).reshape(x.shape)
+                     for i, xi in enumerate(xs))
+    return tuple(jnp.dot(xi, w[i]) + bias[i] for i, xi in enumerate(xs))
+
+
+def qkv_train_fn(flat):
+    def f(x, w, bias, dys):
+        _, vjp = jax.vjp(lambda x, w, bias: qkv_projection(x, w, bias, flat), x, w, bias)
+        return vjp(dys)
+    return f
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -78,6 +100,21 @@ def main():
                      device_ms=LAST_DEVICE_MS.get("ms"), **{"pass": f"fwd+bwd/{transposes}T"})
             print(f"{b}x{t}x{c} {layout:12s} {med:.3f} ms (device {LAST_DEVICE_MS.get('ms')}) "
                   f"transpose kernels: {transposes}", flush=True)
+        x = jax.random.normal(ks[1], (b, t, c)).astype(jnp.bfloat16)
+        bias = jax.random.normal(ks[2], (3, c)).astype(jnp.bfloat16)
+        dys = tuple(jax.random.normal(k, (b, t, c)).astype(jnp.bfloat16) for k in jax.random.split(ks[3], 3))
+        for flat in (False, True):
+            f = qkv_train_fn(flat)
+            text = jax.jit(f).lower(x, w[:3], bias, dys).compile().as_text()
+            adds = len(re.findall(r"^\s*(?:ROOT )?%?\w*add\w*fusion[\w.]* = ", text, re.M))
+            med, p20, p80 = time_fn(f, [(x, w[:3], bias, dys)], reps=30)
+            form = "bias_2d" if flat else "bias_3d"
+            # pass: the number of XLA add fusions in the compiled program
+            rows.add(op="qkv_projection", shape=f"{b}x{t}x{c}", dtype="bfloat16", impl=form,
+                     ms_median=med, ms_p20=p20, ms_p80=p80, device_ms=LAST_DEVICE_MS.get("ms"),
+                     **{"pass": f"fwd+bwd/{adds}A"})
+            print(f"{b}x{t}x{c} qkv {form:8s} {med:.3f} ms (device {LAST_DEVICE_MS.get('ms')}) "
+                  f"add fusions: {adds}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     rows.write(os.path.join(args.out, "attention_layout.csv"))
 
