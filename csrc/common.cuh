@@ -125,6 +125,22 @@ __device__ __forceinline__ void StoreFloats(T* p, const float (&in)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pk;
 }
 
+// ---------------------------------------------------------------- fast math
+// 2^t and 1/x by the special-function unit alone (one instruction each), subnormal
+// inputs and results flushed to zero. exp2f and __fdividef without -ftz add a rescaling
+// around it for subnormals; where the result feeds a 16-bit output or a sum >= 1 the
+// flushed values (below 2^-126) cannot show.
+__device__ __forceinline__ float Exp2Approx(float t) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
+  return y;
+}
+__device__ __forceinline__ float RcpApprox(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll

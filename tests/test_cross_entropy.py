@@ -131,6 +131,31 @@ def test_traced_out_of_range_label_gives_nan():
     assert np.isnan(loss[1]) and np.isfinite(loss[0]) and np.isfinite(loss[2])
 
 
+def _masked_class_case(dtype, vocab, rows=4):
+    """Logits with a few classes masked to -inf (labels elsewhere), and the float64
+    truth over the classes left."""
+    x, y = _data(9, (rows,), vocab, dtype=dtype)
+    masked = np.zeros(vocab, bool)
+    masked[[0, vocab // 2, vocab - 1]] = True
+    y = jnp.where(jnp.asarray(masked)[y], 1, y)
+    x = jnp.where(jnp.asarray(masked), -jnp.inf, x).astype(dtype)
+    tl, tg, _ = _truth(np.asarray(x.astype(F32))[:, ~masked], y - np.cumsum(masked)[np.asarray(y)])
+    full = np.zeros((rows, vocab))
+    full[:, ~masked] = tg
+    return x, y, tl, full
+
+
+def test_masked_classes_without_smoothing_give_finite_loss():
+    """A -inf logit (a masked class) gets probability 0: without label smoothing the loss
+    and gradient are those of the classes left, not NaN (the mean of the logits, which
+    smoothing needs, is left out rather than multiplied by 0)."""
+    x, y, tl, tg = _masked_class_case(F32, 9)
+    loss, vjp = jax.vjp(lambda x: cross_entropy(x, y)[0], x)
+    (g,) = vjp(jnp.ones(y.shape, F32))
+    np.testing.assert_allclose(np.asarray(loss, np.float64), tl, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g, np.float64), tg, atol=1e-6)
+
+
 def test_validation_errors():
     x, y = _data(8, (3,), 9)
     with pytest.raises(ValueError, match=r"cross_entropy: labels must have shape \(3,\), got \(4,\)"):
@@ -364,3 +389,15 @@ def test_gpu_special_rows_of_the_row_staging_kernel(rows):
     tl, tg, _ = _truth(np.asarray(x[keep].astype(F32)), y[keep])
     np.testing.assert_allclose(loss[keep], tl, rtol=1e-4)
     assert np.max(np.abs(g[keep] - tg)) <= 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50257, 4097])
+def test_gpu_masked_classes_without_smoothing_give_finite_loss(vocab):
+    """The same on the kernels: 50257 columns run the row-staging kernel, 4097 the
+    row-per-block one."""
+    x, y, tl, tg = _masked_class_case(jnp.bfloat16, vocab, rows=300)
+    loss, vjp = jax.jit(lambda x: jax.vjp(lambda x: cross_entropy(x, y)[0], x))(x)
+    (g,) = jax.jit(vjp)(jnp.ones(y.shape, F32))
+    np.testing.assert_allclose(np.asarray(loss, np.float64), tl, rtol=1e-4)
+    assert np.max(np.abs(np.asarray(g, np.float64) - tg)) <= 2 ** -8

@@ -130,7 +130,10 @@ __global__ void __launch_bounds__(MAXT) CrossEntropyKernel(CrossEntropyArgs a) {
   const float xl = valid ? ToFloat(x[valid ? label : 0]) : NAN;
   const float eps = a.smoothing;
   if (a.loss != nullptr && threadIdx.x == 0) {
-    a.loss[row] = lse - (1.f - eps) * xl - eps * (sx / (float)V) + a.z_loss * lse * lse;
+    // Without smoothing the mean term is left out, not multiplied by 0 (a -inf logit, a
+    // masked class, would make it NaN).
+    const float smooth = eps != 0.f ? eps * (sx / (float)V) : 0.f;
+    a.loss[row] = lse - (1.f - eps) * xl - smooth + a.z_loss * lse * lse;
   }
   if constexpr (GRAD) {
     // ---- pass 2: gradient

@@ -19,7 +19,7 @@ __device__ __forceinline__ float ExpShifted(float t) {
   if constexpr (std::is_same_v<T, float>) {
     return expf(t);
   } else {
-    return exp2f(t * kLog2e);
+    return Exp2Approx(t * kLog2e);
   }
 }
 // 16-bit logits keep an online (max, sum of exp) in one read of the row. fp32 logits

@@ -41,7 +41,7 @@ constexpr int RowsInFlight(int kind) {
 // GELU's negative tail, where 1 + erf is small; float32 and float16 keep erff.
 __device__ __forceinline__ float ErfFastGivenExp(float x, float e) {
   const float a = fabsf(x);
-  const float t = __fdividef(1.f, fmaf(0.3275911f, a, 1.f));
+  const float t = RcpApprox(fmaf(0.3275911f, a, 1.f));
   float p = fmaf(1.061405429f, t, -1.453152027f);
   p = fmaf(p, t, 1.421413741f);
   p = fmaf(p, t, -0.284496736f);
@@ -49,7 +49,8 @@ __device__ __forceinline__ float ErfFastGivenExp(float x, float e) {
   return copysignf(1.f - p * t * e, x);
 }
 
-__device__ __forceinline__ float ErfFast(float x) { return ErfFastGivenExp(x, __expf(-x * x)); }
+__device__ __forceinline__ float ExpApprox(float x) { return Exp2Approx(x * 1.4426950408889634f); }
+__device__ __forceinline__ float ErfFast(float x) { return ErfFastGivenExp(x, ExpApprox(-x * x)); }
 
 template <typename T>
 __device__ __forceinline__ float Erf(float x) {
@@ -68,7 +69,7 @@ __device__ __forceinline__ float Erf(float x) {
 template <typename T>
 __device__ __forceinline__ float HalfOnePlusTanh(float u) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __fdividef(1.f, 1.f + __expf(-2.f * u));
+    return RcpApprox(1.f + ExpApprox(-2.f * u));
   } else {
     return 0.5f * (1.f + tanhf(u));
   }
@@ -93,7 +94,7 @@ __device__ __forceinline__ float ActGrad(float v) {
   } else if constexpr (ACT == kActGelu) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       // One exp for both: erf(v / sqrt 2) needs exp(-v^2 / 2), as does the density.
-      const float e = __expf(-0.5f * v * v);
+      const float e = ExpApprox(-0.5f * v * v);
       return 0.5f * (1.f + ErfFastGivenExp(v * 0.70710678118654752f, e)) + v * (0.39894228040143268f * e);
     } else {
       const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));

@@ -39,10 +39,7 @@ __device__ __forceinline__ float ExpShift(float x, float m) {
   if constexpr (std::is_same_v<T, float>) {
     return expf(x - m);
   } else {
-    const float t = __fmaf_rn(x, kLog2e, -m * kLog2e);
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
-    return y;
+    return Exp2Approx(__fmaf_rn(x, kLog2e, -m * kLog2e));
   }
 }
 

@@ -44,7 +44,9 @@ def _loss_of(x, lse, labels, smoothing, z_loss, ignore_index, has_ignore):
     ignored, valid = _masks(labels, vocab, ignore_index, has_ignore)
     safe = jnp.where(valid, labels, 0).astype(jnp.int32)
     picked = jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
-    loss = lse - (1.0 - smoothing) * picked - smoothing * jnp.mean(x, axis=-1) + z_loss * lse * lse
+    loss = lse - (1.0 - smoothing) * picked + z_loss * lse * lse
+    if smoothing:  # left out, not multiplied by 0: a -inf logit (a masked class) makes it NaN
+        loss = loss - smoothing * jnp.mean(x, axis=-1)
     loss = jnp.where(valid, loss, jnp.nan)
     return jnp.where(ignored, 0.0, loss)
 
