@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "kernels/column_fold.cuh"
 #include "kernels/dropout.h"
 #include "registry.h"
 
@@ -230,35 +231,6 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
   }
 }
 
-// dbias[c] = sum_p partials[p][c]: 32 columns per block, 32 lanes per column, each lane
-// with 4 partial rows in flight; every sum is taken in the same fixed order each run.
-constexpr int kFoldLanes = 32, kFoldUnroll = 4;
-__global__ void __launch_bounds__(32 * kFoldLanes) SumPartialsKernel(const float* partials, int parts,
-                                                                     int64_t hidden, float* dbias) {
-  __shared__ float s[kFoldLanes][33];
-  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  float acc[kFoldUnroll] = {};
-  if (c < hidden) {
-    for (int p0 = threadIdx.y; p0 < parts; p0 += kFoldLanes * kFoldUnroll) {
-#pragma unroll
-      for (int k = 0; k < kFoldUnroll; ++k) {
-        const int p = p0 + k * kFoldLanes;
-        if (p < parts) acc[k] += partials[(int64_t)p * hidden + c];
-      }
-    }
-  }
-  float v = acc[0];
-#pragma unroll
-  for (int k = 1; k < kFoldUnroll; ++k) v += acc[k];
-  s[threadIdx.y][threadIdx.x] = v;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < hidden) {
-    float t = s[0][threadIdx.x];
-    for (int y = 1; y < kFoldLanes; ++y) t += s[y][threadIdx.x];
-    dbias[c] = t;
-  }
-}
-
 bool Aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 struct Shape {
@@ -387,8 +359,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
     err = LaunchAct<T, KIND>(a.activation, sh, k, stream);
   }
   if (err != cudaSuccess) return err;
-  SumPartialsKernel<<<(unsigned)((a.hidden + 31) / 32), dim3(32, kFoldLanes), 0, stream>>>(
-      a.partials, (int)sh.grid.x, a.hidden, a.dbias);
+  LaunchSumColumnPartials(a.partials, (int)sh.grid.x, a.hidden, a.hidden, a.dbias, nullptr, stream);
   return cudaGetLastError();
 }
 

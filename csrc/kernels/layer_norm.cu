@@ -9,6 +9,7 @@
 // order, so results are deterministic).
 // Looped path (larger hidden): one block per row, passes re-read the row.
 #include "common.cuh"
+#include "kernels/column_fold.cuh"
 #include "kernels/layer_norm.h"
 #include "registry.h"
 
@@ -355,34 +356,6 @@ __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
   }
 }
 
-// dgamma[c] = sum_p partials[p][0][c], dbeta[c] = sum_p partials[p][1][c].
-// Block (32, kFoldLanes): 32 columns, each summed by kFoldLanes threads over a
-// strided subset of the parts (compensated), then folded in a fixed order, so the
-// result is deterministic and the loads of one column are spread across lanes.
-constexpr int kFoldLanes = 16;
-__global__ void __launch_bounds__(32 * kFoldLanes) SumPartialsKernel(const float* partials, int parts,
-                                                                     int64_t hidden, float* dgamma,
-                                                                     float* dbeta) {
-  __shared__ float fold[kFoldLanes][33];
-  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  float s = 0.f, comp = 0.f;
-  if (c < 2 * hidden) {
-    for (int p = threadIdx.y; p < parts; p += kFoldLanes) {
-      const float y = partials[(int64_t)p * 2 * hidden + c] - comp;
-      const float t = s + y;
-      comp = (t - s) - y;
-      s = t;
-    }
-  }
-  fold[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= 2 * hidden) return;
-  float total = 0.f;
-#pragma unroll
-  for (int l = 0; l < kFoldLanes; ++l) total += fold[l][threadIdx.x];
-  if (c < hidden) dgamma[c] = total; else dbeta[c - hidden] = total;
-}
-
 // Threads per row for the register path: a power of two covering the row with
 // `elems` elements per thread; 0 when the row does not fit in max_threads.
 // A power of two; with warp_multiple, a multiple of 32 once a row needs more than
@@ -499,8 +472,7 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t cols = 2 * a.hidden;
-  SumPartialsKernel<<<(unsigned)((cols + 31) / 32), dim3(32, kFoldLanes), 0, stream>>>(
-      a.partials, parts, a.hidden, a.dgamma, a.dbeta);
+  LaunchSumColumnPartials(a.partials, parts, cols, a.hidden, a.dgamma, a.dbeta, stream);
   return cudaGetLastError();
 }
 
