@@ -112,8 +112,11 @@ class FusedKernel:
 
         # A seeded kernel numbers its elements by their flat index, which a shard knows
         # only when its rows are one contiguous block: only the first leading dim may stay
-        # sharded (the others are gathered), so masks match the unsharded ones.
+        # sharded (the others are gathered), so masks match the unsharded ones. With the
+        # static ``seq_first=True`` the rows are (len, batch) and numbered as their
+        # (batch, len) transpose: there the batch dim (1) is the one that may stay sharded.
         seeded = kernel._seed_index is not None
+        seed_dim = 1 if static.get("seq_first") else 0
 
         def lead_spec_of(arg_shapes):
             rows = arg_shapes[kernel._rows_index]
@@ -121,7 +124,7 @@ class FusedKernel:
             spec = tuple(rows.sharding.spec) + (None,) * (len(rows.shape) - len(rows.sharding.spec))
             spec = spec[:lead]
             if seeded:
-                spec = spec[:1] + (None,) * (len(spec) - 1)
+                spec = tuple(e if i == seed_dim else None for i, e in enumerate(spec))
             return spec, rows.shape[:lead]
 
         def spec_for(role, shape, lead_spec, lead_shape):
@@ -177,7 +180,7 @@ class FusedKernel:
                 replicated.append(name)
                 return name
 
-            shared = lambda i: i == 0 or not seeded  # see lead_spec_of
+            shared = lambda i: i == seed_dim or not seeded  # see lead_spec_of
 
             def mapping(role, shape):
                 if role.kind == ROWS:

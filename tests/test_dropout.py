@@ -256,6 +256,53 @@ def test_sequence_sharded_jit_gives_the_unsharded_mask(spec):
     np.testing.assert_array_equal(got, fwd(x, b, r))
 
 
+def _seq_first_pair(act, rate, key):
+    """(f, g): the two ops chained with ``seq_first=True`` on (len, batch, hidden), and
+    the same on the (batch, len, hidden) transpose, transposed back."""
+    def chain(x, b, r, seq_first):
+        y = bias_act_dropout(x, b, activation=act, rate=rate, key=key, seq_first=seq_first)
+        return bias_dropout_residual(y, b, r, rate=rate, key=jax.random.fold_in(key, 1), seq_first=seq_first)
+
+    def f(x, b, r):
+        return chain(x, b, r, True)
+
+    def g(x, b, r):
+        return chain(x.swapaxes(0, 1), b, r.swapaxes(0, 1), False).swapaxes(0, 1)
+    return f, g
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_seq_first_draws_the_batch_first_mask(act):
+    """seq_first=True on a (len, batch, hidden) activation drops exactly the elements the
+    batch-first op drops on its transpose: outputs and all gradients equal."""
+    x, b, r, dy = _inputs((6, 3, 40))
+    f, g = _seq_first_pair(act, 0.3, jax.random.key(21))
+    np.testing.assert_array_equal(jax.jit(f)(x, b, r), jax.jit(g)(x, b, r))
+    loss = lambda fn: lambda x, b, r: jnp.sum(fn(x, b, r) * dy)
+    for a, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(x, b, r), jax.jit(jax.grad(loss(g), (0, 1, 2)))(x, b, r)):
+        np.testing.assert_allclose(a, w, rtol=1e-6, atol=1e-6)
+    # and the masks are not those of the flat (len, batch) order
+    flat = bias_dropout_residual(x, b, r, rate=0.3, key=jax.random.key(21))
+    assert not np.array_equal(np.asarray(flat), np.asarray(bias_dropout_residual(
+        x, b, r, rate=0.3, key=jax.random.key(21), seq_first=True)))
+
+
+def test_seq_first_batch_sharded_keeps_its_shards():
+    """A sequence-first activation sharded along batch (dim 1) is not gathered, and
+    gives the unsharded result bit for bit (forward) and to rounding (gradients)."""
+    mesh = _mesh()
+    x, b, r, dy = _inputs((5, 16, 40))
+    f, _ = _seq_first_pair("gelu", RATE, jax.random.key(22))
+    fn = jax.jit(jax.value_and_grad(lambda x, b, r: jnp.sum(f(x, b, r) * dy), (0, 1, 2)))
+    shard = NamedSharding(mesh, P(None, "data"))
+    xs, rs = jax.device_put(x, shard), jax.device_put(r, shard)
+    bs = jax.device_put(b, NamedSharding(mesh, P()))
+    assert "all-gather" not in fn.lower(xs, bs, rs).compile().as_text()
+    for a, w in zip(jax.tree.leaves(fn(xs, bs, rs)), jax.tree.leaves(fn(x, b, r))):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(jax.jit(f)(xs, bs, rs), jax.jit(f)(x, b, r))
+
+
 def test_shard_map():
     mesh = _mesh()
     x, b, r, dy = _inputs((16, 40))
@@ -335,6 +382,10 @@ def test_bad_inputs_raise():
                                                                             key=k)),
         (ValueError, "rank >= 1", lambda: bias_act_dropout(x[0, 0], b, activation="relu", rate=0.1, key=k)),
         (TypeError, "key must be", lambda: bias_act_dropout(x, b, activation="relu", rate=0.1, key=x)),
+        (ValueError, r"with seq_first, x must be \(len, batch, hidden\), got shape \(4, 16\)",
+         lambda: bias_dropout_residual(x, b, r, rate=0.1, key=k, seq_first=True)),
+        (ValueError, "seq_first must be a bool", lambda: bias_act_dropout(x, b, activation="relu", rate=0.1,
+                                                                           key=k, seq_first=1)),
     ]
     for exc, msg, fn in cases:
         with pytest.raises(exc, match=msg):
@@ -419,6 +470,25 @@ def test_gpu_masks_equal_reference(shape):
     dropped = ~np.asarray(keep)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[dropped],
                                   np.asarray((r.astype(jnp.float32) + 0).astype(jnp.bfloat16), np.float32)[dropped])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 256, 768), (7, 5, 123), (33, 3, 64)])
+def test_gpu_seq_first_masks_equal_reference(dtype, shape):
+    """The kernels number sequence-first rows in batch-first order (the row counters
+    carried across a thread's strided rows): their masks, forward and backward, are the
+    reference's, which are the batch-first masks of the transpose."""
+    x, b, r, dy = _inputs(shape, dtype)
+    f, g = _seq_first_pair("relu", 0.3, jax.random.key(23))
+    loss = lambda fn: lambda x, b, r: jnp.sum((fn(x, b, r) * dy).astype(jnp.float32))
+    got = jax.jit(jax.value_and_grad(loss(f), (0, 1, 2)))(x, b, r)
+    want = jax.jit(jax.value_and_grad(loss(g), (0, 1, 2)))(x, b, r)
+    # relu keeps the zero pattern exact: the dropped elements must coincide
+    gx, wx = np.asarray(got[1][0], np.float32), np.asarray(want[1][0], np.float32)
+    np.testing.assert_array_equal(gx == 0, wx == 0)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, b, r)), np.asarray(jax.jit(g)(x, b, r)))
 
 
 @pytest.mark.sanitize

@@ -1,5 +1,4 @@
 """jax_ls2.nn layers against their plain-Flax twins (flax_models.plain)."""
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -114,35 +113,29 @@ def test_encoder_stack_equals_twin(pre_ln, layout):
 
 
 @pytest.mark.parametrize("pre_ln", [True, False])
-def test_stack_layouts_agree_with_attention_dropout(pre_ln):
-    """Attention dropout active: "auto" runs the layers sequence-first (the attention is
-    GEMMs around the fused softmax) and gives what batch-first gives, masks included
-    (they are drawn over the (batch, heads, q, k) probabilities in both layouts); in eval
-    "auto" stays batch-first. Encoder and decoder (memory transposed with x)."""
+def test_stack_layouts_agree_with_every_dropout(pre_ln):
+    """Attention, activation and hidden dropout active: "auto" runs the layers
+    sequence-first (the attention is GEMMs around the fused softmax) and gives what
+    batch-first gives, masks included (the attention masks are drawn over the (batch,
+    heads, q, k) probabilities in both layouts, the others in batch-first order); in
+    eval "auto" stays batch-first. Encoder and decoder (memory transposed with x)."""
     from jax_ls2.nn.stack import _seq_first
     x, mem = _x((3, 8, H)), _x((3, 6, H), 1)
     pad = jnp.arange(8)[None, :] < jnp.array([[8], [5], [2]])
     results = {}
     for layout in ("batch", "seq", "auto"):
-        kw = dict(pre_layer_norm=pre_ln, attn_dropout=0.2, layout=layout, rngs=nnx.Rngs(0, dropout=3))
+        kw = dict(pre_layer_norm=pre_ln, attn_dropout=0.2, activation_dropout=0.1, hidden_dropout=0.1,
+                  layout=layout, rngs=nnx.Rngs(0, dropout=3))
         enc, dec = nn.TransformerEncoder(2, H, F, N, **kw), nn.TransformerDecoder(2, H, F, N, **kw)
-
-        def run():
-            return [nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
-                    nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
         if layout == "auto":
-            # several devices (conftest forces 8 CPU devices): always batch-first
-            assert jax.device_count() > 1
-            assert not _seq_first("TransformerEncoder", enc, x, False)
-            # one device: sequence-first under attention dropout, batch-first in eval
-            with mock.patch.object(jax, "device_count", lambda *a: 1):
-                assert _seq_first("TransformerEncoder", enc, x, False)
-                assert _seq_first("TransformerDecoder", dec, x, False, mem)
-                assert not _seq_first("TransformerEncoder", enc, x, True)
-                assert not _seq_first("TransformerDecoder", dec, x, True, mem)
-                results[layout] = run()
-        else:
-            results[layout] = run()
+            assert jax.device_count() > 1  # conftest: 8 CPU devices; the choice does not depend on it
+            assert _seq_first("TransformerEncoder", enc, x, False)
+            assert _seq_first("TransformerDecoder", dec, x, False, mem)
+            assert not _seq_first("TransformerEncoder", enc, x, True)
+            assert not _seq_first("TransformerDecoder", dec, x, True, mem)
+        results[layout] = [
+            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, padding_mask=pad, deterministic=False))))(enc),
+            nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, mem, deterministic=False))))(dec)]
         if layout == "batch":  # the dropout is active
             assert abs(float(results[layout][0][0]) - float(jnp.sum(jnp.sin(
                 enc(x, padding_mask=pad, deterministic=True))))) > 1e-3
@@ -345,15 +338,16 @@ def test_gpu_seq_first_stack_drops_the_attention_transposes():
     assert counts["seq"] + 2 * 2 <= counts["batch"], counts
 
 
-def test_batch_sharded_stack_keeps_its_shards():
-    """Data parallel over 8 devices with every dropout on: the "auto" stack (batch-first
-    when several devices are visible) compiles without gathering activations, and gives
+@pytest.mark.parametrize("layout", ["auto", "batch", "seq"])
+def test_batch_sharded_stack_keeps_its_shards(layout):
+    """Data parallel over 8 devices with every dropout on, in each layout ("auto" runs
+    sequence-first here): the stack compiles without gathering activations and gives
     the unsharded result."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from numerics import mesh8
     mesh = mesh8()
     enc = nn.TransformerEncoder(2, H, F, N, attn_dropout=0.1, hidden_dropout=0.1, activation_dropout=0.1,
-                                rngs=nnx.Rngs(0, dropout=1))
+                                layout=layout, rngs=nnx.Rngs(0, dropout=1))
     graphdef, state = nnx.split(enc)
     x = _x((8, 16, H))
 

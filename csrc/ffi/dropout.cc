@@ -23,17 +23,28 @@ ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& rows_like, const ff
   return ffi::Error::Success();
 }
 
+// seq_batch > 0: the rows are (len, seq_batch) sequence-first (kernels/dropout.h).
+ffi::Error CheckSeqBatch(const char* op, const ffi::AnyBuffer& rows_like, int64_t seq_batch) {
+  const int64_t rows = LeadingCount(rows_like);
+  if (seq_batch < 0 || (seq_batch > 0 && (rows % seq_batch != 0 || rows > INT32_MAX)))
+    return ffi::Error::InvalidArgument(std::string(op) + ": seq_batch must be 0 or divide the " +
+                                       std::to_string(rows) + " rows (at most 2^31 - 1), got " +
+                                       std::to_string(seq_batch));
+  return ffi::Error::Success();
+}
+
 // Args: x (rows..., H), bias (H,), residual (rows..., H), seed uint32[3]
 // Rets: y (rows..., H) = residual + dropout(x + bias)
 ffi::Error BiasDropoutResidualFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                                       ffi::AnyBuffer residual, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> y,
-                                      int64_t threshold, float scale) {
+                                      int64_t threshold, float scale, int64_t seq_batch) {
   const char* op = "bias_dropout_residual";
   if (auto e = CheckCommon(op, x, &bias, seed, threshold); e.failure()) return e;
+  if (auto e = CheckSeqBatch(op, x, seq_batch); e.failure()) return e;
   if (residual.element_count() != x.element_count())
     return ffi::Error::InvalidArgument(std::string(op) + ": residual must have x's shape");
   DropoutFwdArgs a{Ptr(x), Ptr(bias), Ptr(residual), Seed(seed), Ptr(y), LeadingCount(x), LastDim(x),
-                   (uint32_t)threshold, scale, 0};
+                   (uint32_t)threshold, scale, 0, seq_batch};
   PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
@@ -45,12 +56,15 @@ ffi::Error BiasDropoutResidualFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi
 // Rets: dx (rows..., H) = mask * scale * dy, dbias (H,) f32, partials workspace (parts, H) f32
 ffi::Error BiasDropoutResidualBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer seed,
                                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
-                                      ffi::Result<ffi::AnyBuffer> partials, int64_t threshold, float scale) {
+                                      ffi::Result<ffi::AnyBuffer> partials, int64_t threshold, float scale,
+                                      int64_t seq_batch) {
   const char* op = "bias_dropout_residual backward";
   if (auto e = CheckCommon(op, dy, nullptr, seed, threshold); e.failure()) return e;
+  if (auto e = CheckSeqBatch(op, dy, seq_batch); e.failure()) return e;
   auto pdims = partials->dimensions();
   DropoutBwdArgs a{Ptr(dy), nullptr, nullptr, Seed(seed), Ptr(dx), F32(dbias), F32(partials),
-                   pdims.size() > 0 ? pdims[0] : 0, LeadingCount(dy), LastDim(dy), (uint32_t)threshold, scale, 0};
+                   pdims.size() > 0 ? pdims[0] : 0, LeadingCount(dy), LastDim(dy), (uint32_t)threshold, scale, 0,
+                   seq_batch};
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
   PoisonOutputs(stream, dx, dbias);
@@ -64,13 +78,14 @@ ffi::Error BiasDropoutResidualBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ff
 // Rets: y (rows..., H) = dropout(act(x + bias))
 ffi::Error BiasActDropoutFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer seed,
                                  ffi::Result<ffi::AnyBuffer> y, int64_t activation, int64_t threshold,
-                                 float scale) {
+                                 float scale, int64_t seq_batch) {
   const char* op = "bias_act_dropout";
   if (auto e = CheckCommon(op, x, &bias, seed, threshold); e.failure()) return e;
+  if (auto e = CheckSeqBatch(op, x, seq_batch); e.failure()) return e;
   if (activation < kActRelu || activation > kActGeluTanh)
     return ffi::Error::InvalidArgument(std::string(op) + ": unknown activation code");
   DropoutFwdArgs a{Ptr(x), Ptr(bias), nullptr, Seed(seed), Ptr(y), LeadingCount(x), LastDim(x),
-                   (uint32_t)threshold, scale, (int)activation};
+                   (uint32_t)threshold, scale, (int)activation, seq_batch};
   PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
@@ -83,9 +98,10 @@ ffi::Error BiasActDropoutFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
 ffi::Error BiasActDropoutBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                                  ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> dx,
                                  ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> partials,
-                                 int64_t activation, int64_t threshold, float scale) {
+                                 int64_t activation, int64_t threshold, float scale, int64_t seq_batch) {
   const char* op = "bias_act_dropout backward";
   if (auto e = CheckCommon(op, x, &bias, seed, threshold); e.failure()) return e;
+  if (auto e = CheckSeqBatch(op, x, seq_batch); e.failure()) return e;
   if (activation < kActRelu || activation > kActGeluTanh)
     return ffi::Error::InvalidArgument(std::string(op) + ": unknown activation code");
   if (dy.element_count() != x.element_count() || dy.element_type() != x.element_type())
@@ -93,7 +109,7 @@ ffi::Error BiasActDropoutBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::An
   auto pdims = partials->dimensions();
   DropoutBwdArgs a{Ptr(dy), Ptr(x), Ptr(bias), Seed(seed), Ptr(dx), F32(dbias), F32(partials),
                    pdims.size() > 0 ? pdims[0] : 0, LeadingCount(x), LastDim(x), (uint32_t)threshold, scale,
-                   (int)activation};
+                   (int)activation, seq_batch};
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
   PoisonOutputs(stream, dx, dbias);
@@ -114,7 +130,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasDropoutResidualFwd, BiasDropoutResidualFwdImpl
                                   .Arg<ffi::AnyBuffer>()  // seed
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Attr<int64_t>("threshold")
-                                  .Attr<float>("scale"),
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("seq_batch"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasDropoutResidualBwd, BiasDropoutResidualBwdImpl,
@@ -126,7 +143,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasDropoutResidualBwd, BiasDropoutResidualBwdImpl
                                   .Ret<ffi::AnyBuffer>()  // dbias
                                   .Ret<ffi::AnyBuffer>()  // partials
                                   .Attr<int64_t>("threshold")
-                                  .Attr<float>("scale"),
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("seq_batch"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasActDropoutFwd, BiasActDropoutFwdImpl,
@@ -138,7 +156,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasActDropoutFwd, BiasActDropoutFwdImpl,
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("threshold")
-                                  .Attr<float>("scale"),
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("seq_batch"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasActDropoutBwd, BiasActDropoutBwdImpl,
@@ -153,7 +172,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BiasActDropoutBwd, BiasActDropoutBwdImpl,
                                   .Ret<ffi::AnyBuffer>()  // partials
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("threshold")
-                                  .Attr<float>("scale"),
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("seq_batch"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_LS2_REGISTER("jax_ls2_bias_dropout_residual_fwd", BiasDropoutResidualFwd);

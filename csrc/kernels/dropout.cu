@@ -10,7 +10,10 @@
 //
 // Dropout: element g = seed[2] + row * hidden + col (uint32, wrapping) is kept iff
 // its 16-bit draw >= threshold (csrc/common.cuh, jax_ls2/_random.py); one hash
-// gives the draws of an aligned pair. threshold == 0 selects a variant that
+// gives the draws of an aligned pair. Sequence-first activations (seq_batch > 0: rows
+// (len, batch) flattened) number row t * batch + j as j * len + t, the row it has in
+// the batch-first layout, so both layouts draw the same mask and a shard along batch
+// needs only its element offset. threshold == 0 selects a variant that
 // neither hashes nor scales. The backward regenerates the mask from the seed.
 #include <algorithm>
 
@@ -136,6 +139,37 @@ struct KernelArgs {
   int64_t rows, hidden;
   uint32_t threshold;
   float scale;
+  int64_t seq_batch;  // > 0: sequence-first rows, numbered batch-first (see the top)
+};
+
+// The batch-first number of a thread's rows r, r + step, r + 2 step, ... when the rows
+// are (len, batch) sequence-first: (t, j) = divmod(r, batch) is carried from row to row
+// with two adds and a compare instead of a division per row. Rows as stored when
+// batch == 0.
+struct RowNumbering {
+  uint32_t batch = 0, len = 0, t = 0, j = 0, dt = 0, dj = 0;
+  __device__ RowNumbering(int64_t seq_batch, int64_t rows, int64_t first, int64_t step) {
+    if (seq_batch > 0) {
+      batch = (uint32_t)seq_batch;
+      len = (uint32_t)(rows / seq_batch);
+      t = (uint32_t)(first / seq_batch);
+      j = (uint32_t)(first % seq_batch);
+      dt = (uint32_t)(step / seq_batch);
+      dj = (uint32_t)(step % seq_batch);
+    }
+  }
+  // The number of the current row (stored index `row`), then moves to the next one.
+  __device__ __forceinline__ uint32_t TakeAndAdvance(int64_t row) {
+    if (batch == 0) return (uint32_t)row;
+    const uint32_t n = j * len + t;
+    t += dt;
+    j += dj;
+    if (j >= batch) {
+      j -= batch;
+      ++t;
+    }
+    return n;
+  }
 };
 
 template <typename T, int VEC, int KIND, int ACT, bool DROP, int U>
@@ -161,7 +195,9 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
     const T* in1 = static_cast<const T*>(a.in1);
     T* out = static_cast<T*>(a.out);
     const int64_t stride = (int64_t)gridDim.x * blockDim.y;
-    for (int64_t r0 = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; r0 < a.rows; r0 += stride * U) {
+    const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    RowNumbering numbering(DROP ? a.seq_batch : 0, a.rows, first, stride);
+    for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
       // Raw packs in flight (half the registers of floats for 16-bit types).
       Pack<T, VEC> p0[U], p1[U];
 #pragma unroll
@@ -180,7 +216,8 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
           const int64_t off = row * H + col;
           bool keep[VEC];
           if constexpr (DROP) {
-            KeepVec<VEC>(s.offset + (uint32_t)off, s, a.threshold, keep);
+            const uint32_t g0 = s.offset + numbering.TakeAndAdvance(row) * (uint32_t)H + (uint32_t)col;
+            KeepVec<VEC>(g0, s, a.threshold, keep);
           }
           float o[VEC];
 #pragma unroll
@@ -350,7 +387,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   // Row blocks (= partial dbias rows): 2 per SM.
   Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden),
                        std::min<int64_t>(a.max_parts, 2 * SmCount()));
-  KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale};
+  KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
     LaunchDrop<T, KIND, kActRelu>(sh, k, stream);
@@ -370,7 +407,7 @@ cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t s
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
   Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec, a.hidden), INT32_MAX);
-  KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
+  KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
   LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, stream);
   return cudaGetLastError();
 }
@@ -380,7 +417,7 @@ cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
   Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec, a.hidden), INT32_MAX);
-  KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale};
+  KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
   return LaunchAct<T, kActFwd>(a.activation, sh, k, stream);
 }
 

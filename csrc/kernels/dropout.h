@@ -18,6 +18,7 @@ struct DropoutFwdArgs {
   uint32_t threshold;    // drop iff the 16-bit draw < threshold; 0 = no dropout
   float scale;           // 1 / kept fraction
   int activation;        // DropoutActivation (bias_act_dropout only)
+  int64_t seq_batch;     // > 0: rows are (len, seq_batch), numbered as the (seq_batch, len) transpose
 };
 
 struct DropoutBwdArgs {
@@ -33,6 +34,7 @@ struct DropoutBwdArgs {
   uint32_t threshold;
   float scale;
   int activation;
+  int64_t seq_batch;     // as in DropoutFwdArgs
 };
 
 template <typename T>

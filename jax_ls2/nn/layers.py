@@ -104,7 +104,7 @@ class _Block(nnx.Module):
         key = draw_key(self._owner, self.rngs, rngs)
         return det, [jax.random.fold_in(key, i) for i in range(n)]
 
-    def _residual(self, sub, x, ln, det, key, *, uses: int = 1, next_uses: int = 1):
+    def _residual(self, sub, x, ln, det, key, *, uses: int = 1, next_uses: int = 1, seq_first: bool = False):
         """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias).
 
         Each consumer of a LayerNorm output gets its own copy (``copies`` of the op), so
@@ -122,7 +122,7 @@ class _Block(nnx.Module):
         h = tuple(hs) if len(hs) > 1 else hs[0]
         y, b = sub(h)
         out = ops.bias_dropout_residual(y, b, x_res.astype(y.dtype), rate=self.hidden_dropout,
-                                        key=key, deterministic=det)
+                                        key=key, deterministic=det, seq_first=seq_first)
         return out if self.pre_layer_norm else ln(out, copies=next_uses)
 
     def _check_copies(self, x, output_copies):
@@ -147,10 +147,10 @@ class _Block(nnx.Module):
         check_hidden(o, x, self.hidden_size)
         return x
 
-    def _ffn(self, h, det, key):
+    def _ffn(self, h, det, key, seq_first):
         y, b = matmul(h, self.fc1, self.dtype)
         y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det)
+                                 key=key, deterministic=det, seq_first=seq_first)
         return matmul(y, self.fc2, self.dtype)
 
     def _attn_sub(self, mha, det, key, **kw):
@@ -208,9 +208,10 @@ class TransformerEncoderLayer(_Block):
         x = self._check_copies(x, output_copies)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
-                                          causal=causal, seq_first=seq_first), x, self.attn_ln, det, k_r1, uses=3, next_uses=2)
-        return self._residual(lambda h: self._ffn(h, det, k_act), x, self.ffn_ln, det, k_r2,
-                              next_uses=output_copies)
+                                          causal=causal, seq_first=seq_first), x, self.attn_ln, det, k_r1,
+                           uses=3, next_uses=2, seq_first=seq_first)
+        return self._residual(lambda h: self._ffn(h, det, k_act, seq_first), x, self.ffn_ln, det, k_r2,
+                              next_uses=output_copies, seq_first=seq_first)
 
 
 class TransformerDecoderLayer(_Block):
@@ -245,13 +246,13 @@ class TransformerDecoderLayer(_Block):
         det, keys = self._keys(deterministic, rngs, 6)
         x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
                                           causal=True, seq_first=seq_first), x, self.attn_ln, det, keys[1],
-                           uses=3, next_uses=2)
+                           uses=3, next_uses=2, seq_first=seq_first)
         x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
                                           kv=cross_kv, padding_mask=memory_padding_mask,
                                           seq_first=seq_first),
-                           x, self.cross_ln, det, keys[3], next_uses=2)
-        return self._residual(lambda h: self._ffn(h, det, keys[4]), x, self.ffn_ln, det, keys[5],
-                              next_uses=output_copies)
+                           x, self.cross_ln, det, keys[3], next_uses=2, seq_first=seq_first)
+        return self._residual(lambda h: self._ffn(h, det, keys[4], seq_first), x, self.ffn_ln, det, keys[5],
+                              next_uses=output_copies, seq_first=seq_first)
 
 
 def TransformerLayer(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,

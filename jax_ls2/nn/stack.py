@@ -64,11 +64,9 @@ def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
     self-attention runs as XLA GEMMs around a softmax (attention dropout active, or
     ``attention_backend="fused"``): those GEMMs then read q, k, v in place instead of
     through four transposes each way per layer. Batch-first otherwise (cuDNN attention
-    takes batch-first operands as they are), and whenever the process sees more than one
-    device: a dropout mask numbers elements by their flat index, which a shard of a
-    sequence-first activation split along batch (dim 1) cannot offset into, so the
-    dropout ops would gather such an activation whole (`layout="seq"` still forces it,
-    e.g. inside `shard_map`, where the layers see per-device arrays)."""
+    takes batch-first operands as they are). The dropout ops number a sequence-first
+    activation's elements in batch-first order, so masks do not depend on the layout and
+    a batch-sharded sequence-first activation keeps its shards."""
     if stack.layout == "seq":
         for name, a in (("x", x), ("memory", memory)):
             if a is not None and a.ndim != 3:
@@ -76,8 +74,6 @@ def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
                                  f"got {tuple(a.shape)}")
     if stack.layout != "auto" or x.ndim != 3 or (memory is not None and memory.ndim != 3):
         return stack.layout == "seq"
-    if jax.device_count() > 1:
-        return False
     layer = stack.layers[0]
     det = resolve_deterministic(owner, deterministic, layer.deterministic)
     dtype = layer.dtype or jnp.promote_types(x.dtype, layer.attn.qkv.kernel[...].dtype)
@@ -98,12 +94,9 @@ class TransformerEncoder(nnx.Module):
     ``__call__(x, *, padding_mask=None, causal=False, deterministic=None)``:
     x (batch, len, hidden) -> same shape. ``remat=True`` rematerialises each layer.
     ``layout``: the layout the layers run in, "batch", "seq" (sequence-first: the stack
-    transposes x in and the result out) or "auto" (see `_seq_first`). Results agree
-    across layouts without dropout and with attention dropout alone; the hidden and
-    activation dropout masks, drawn over the activations' flat index, differ between
-    them (so a seed gives another run in the other layout, e.g. on one device against
-    several under "auto": pass ``layout="batch"`` where runs must match across device
-    counts). Other keyword arguments go to every layer.
+    transposes x in and the result out) or "auto" (see `_seq_first`). Results, dropout
+    masks included, are the same in every layout. Other keyword arguments go to every
+    layer.
     """
 
     def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,

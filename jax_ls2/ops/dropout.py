@@ -8,6 +8,10 @@ row-major ``(..., hidden)`` array (plus the seed's offset word) is kept iff its
 per element is stored. ``rate == 0`` or ``deterministic=True`` skips the generator
 and gives exactly the undropped result.
 
+Sequence-first activations (``seq_first=True``: ``x`` is ``(len, batch, hidden)``) draw
+the mask of their ``(batch, len, hidden)`` transpose, so both layouts drop the same
+elements and a shard along batch (dim 1) keeps its rows.
+
 Under ``vmap`` with dropout active, every example draws the mask it would draw on
 its own (``vmap(f)(xs)[i] == f(xs[i])``), as with ``jax.random``; fold an index into
 the key for different masks per example.
@@ -56,11 +60,15 @@ def _act_grad(v, activation):
             + np.float32(0.5) * v * (np.float32(1) - t * t) * _K_TANH * (np.float32(1) + np.float32(3) * _C_TANH * v * v))
 
 
-def _drop(v, seed, threshold, scale):
-    """float32 ``v`` with the mask applied; threshold 0 returns ``v`` untouched."""
+def _drop(v, seed, threshold, scale, seq_first):
+    """float32 ``v`` with the mask applied; threshold 0 returns ``v`` untouched. With
+    ``seq_first`` ``v`` is (len, batch, hidden) and gets its transpose's mask."""
     if threshold == 0:
         return v
-    keep = _random.keep_mask(seed, v.shape, threshold)
+    if seq_first:
+        keep = _random.keep_mask(seed, (v.shape[1], v.shape[0]) + v.shape[2:], threshold).swapaxes(0, 1)
+    else:
+        keep = _random.keep_mask(seed, v.shape, threshold)
     return jnp.where(keep, v * np.float32(scale), np.float32(0))
 
 
@@ -68,30 +76,31 @@ def _lead_axes(x):
     return tuple(range(x.ndim - 1))
 
 
-def _bdr_fwd_ref(x, bias, residual, seed, *, threshold, scale):
-    v = _drop(x.astype(F32) + bias.astype(F32), seed, threshold, scale)
+def _bdr_fwd_ref(x, bias, residual, seed, *, threshold, scale, seq_first):
+    v = _drop(x.astype(F32) + bias.astype(F32), seed, threshold, scale, seq_first)
     return ((residual.astype(F32) + v).astype(x.dtype),)
 
 
-def _bdr_bwd_ref(dy, seed, *, threshold, scale):
-    dx = _drop(dy.astype(F32), seed, threshold, scale)
+def _bdr_bwd_ref(dy, seed, *, threshold, scale, seq_first):
+    dx = _drop(dy.astype(F32), seed, threshold, scale, seq_first)
     return dx.astype(dy.dtype), jnp.sum(dx, axis=_lead_axes(dy))
 
 
-def _bad_fwd_ref(x, bias, seed, *, activation, threshold, scale):
+def _bad_fwd_ref(x, bias, seed, *, activation, threshold, scale, seq_first):
     a = _act(x.astype(F32) + bias.astype(F32), activation)
-    return (_drop(a, seed, threshold, scale).astype(x.dtype),)
+    return (_drop(a, seed, threshold, scale, seq_first).astype(x.dtype),)
 
 
-def _bad_bwd_ref(dy, x, bias, seed, *, activation, threshold, scale):
+def _bad_bwd_ref(dy, x, bias, seed, *, activation, threshold, scale, seq_first):
     g = dy.astype(F32) * _act_grad(x.astype(F32) + bias.astype(F32), activation)
-    dx = _drop(g, seed, threshold, scale)
+    dx = _drop(g, seed, threshold, scale, seq_first)
     return dx.astype(x.dtype), jnp.sum(dx, axis=_lead_axes(x))
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(threshold, scale):
-    return dict(threshold=np.int64(threshold), scale=np.float32(scale))
+def _attrs(x, threshold, scale, seq_first):
+    seq_batch = x.shape[1] if seq_first and threshold else 0
+    return dict(threshold=np.int64(threshold), scale=np.float32(scale), seq_batch=np.int64(seq_batch))
 
 
 def _bwd_types(x):
@@ -99,25 +108,25 @@ def _bwd_types(x):
     return result_type(x), result_type(x, (h,), F32), result_type(x, (_MAX_PARTS, h), F32)
 
 
-def _bdr_fwd_cuda(x, bias, residual, seed, *, threshold, scale):
+def _bdr_fwd_cuda(x, bias, residual, seed, *, threshold, scale, seq_first):
     return jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_fwd", (result_type(x),), vmap_method="broadcast_all")(
-        x, bias, residual, seed, **_attrs(threshold, scale))
+        x, bias, residual, seed, **_attrs(x, threshold, scale, seq_first))
 
 
-def _bdr_bwd_cuda(dy, seed, *, threshold, scale):
+def _bdr_bwd_cuda(dy, seed, *, threshold, scale, seq_first):
     dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_bwd", _bwd_types(dy), vmap_method="sequential")(
-        dy, seed, **_attrs(threshold, scale))
+        dy, seed, **_attrs(dy, threshold, scale, seq_first))
     return dx, db
 
 
-def _bad_fwd_cuda(x, bias, seed, *, activation, threshold, scale):
+def _bad_fwd_cuda(x, bias, seed, *, activation, threshold, scale, seq_first):
     return jax.ffi.ffi_call("jax_ls2_bias_act_dropout_fwd", (result_type(x),), vmap_method="broadcast_all")(
-        x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(threshold, scale))
+        x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(x, threshold, scale, seq_first))
 
 
-def _bad_bwd_cuda(dy, x, bias, seed, *, activation, threshold, scale):
+def _bad_bwd_cuda(dy, x, bias, seed, *, activation, threshold, scale, seq_first):
     dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_act_dropout_bwd", _bwd_types(x), vmap_method="sequential")(
-        dy, x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(threshold, scale))
+        dy, x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(x, threshold, scale, seq_first))
     return dx, db
 
 
@@ -167,44 +176,45 @@ def _run(kernel, *args, **static):
 
 
 # ---------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _bias_dropout_residual(x, bias, residual, seed, threshold, scale):
-    return _run(_BDR_FWD, x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first):
+    return _run(_BDR_FWD, x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
+                seq_first=seq_first)[0]
 
 
-def _bdr_vjp_fwd(x, bias, residual, seed, threshold, scale):
-    y = _bias_dropout_residual(x, bias, residual, seed, threshold, scale)
+def _bdr_vjp_fwd(x, bias, residual, seed, threshold, scale, seq_first):
+    y = _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first)
     return y, (seed, jnp.zeros((0,), bias.dtype))
 
 
-def _bdr_vjp_bwd(threshold, scale, res, dy):
+def _bdr_vjp_bwd(threshold, scale, seq_first, res, dy):
     seed, bias_like = res
     if threshold == 0:
         # No dropout: dx is dy itself, and a kernel would only copy it; XLA reduces dbias.
         db = jnp.sum(dy, axis=tuple(range(dy.ndim - 1)), dtype=jnp.float32)
         return dy, db.astype(bias_like.dtype), dy, None
-    dx, db = _run(_BDR_BWD, dy, seed, threshold=threshold, scale=scale)
+    dx, db = _run(_BDR_BWD, dy, seed, threshold=threshold, scale=scale, seq_first=seq_first)
     return dx, db.astype(bias_like.dtype), dy, None
 
 
 _bias_dropout_residual.defvjp(_bdr_vjp_fwd, _bdr_vjp_bwd, optimize_remat=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _bias_act_dropout(x, bias, seed, activation, threshold, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first):
     return _run(_BAD_FWD, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
-                scale=scale)[0]
+                scale=scale, seq_first=seq_first)[0]
 
 
-def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale):
-    y = _bias_act_dropout(x, bias, seed, activation, threshold, scale)
+def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale, seq_first):
+    y = _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)
     return y, (x, bias, seed)
 
 
-def _bad_vjp_bwd(activation, threshold, scale, res, dy):
+def _bad_vjp_bwd(activation, threshold, scale, seq_first, res, dy):
     x, bias, seed = res
     dx, db = _run(_BAD_BWD, dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
-                  scale=scale)
+                  scale=scale, seq_first=seq_first)
     return dx, db.astype(bias.dtype), None
 
 
@@ -239,8 +249,12 @@ def _same_varying(*arrays):
                  for a, v in zip(arrays, vmas))
 
 
-def _check_x_bias(op, x, bias):
+def _check_x_bias(op, x, bias, seq_first):
+    if not isinstance(seq_first, bool):
+        raise ValueError(f"{op}: seq_first must be a bool, got {seq_first!r}")
     _checks.check_array(op, "x", x, min_ndim=1)
+    if seq_first and x.ndim != 3:
+        raise ValueError(f"{op}: with seq_first, x must be (len, batch, hidden), got shape {tuple(x.shape)}")
     _checks.check_array(op, "bias", bias, ndim=1)
     h = x.shape[-1]
     if h == 0:
@@ -248,7 +262,8 @@ def _check_x_bias(op, x, bias):
     _checks.check_shape(op, "bias", bias, (h,))
 
 
-def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, deterministic: bool = False):
+def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, deterministic: bool = False,
+                          seq_first: bool = False):
     """``residual + dropout(x + bias)`` (the end of a Transformer sublayer).
 
     Args:
@@ -259,6 +274,8 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
       deterministic: no dropout (exactly ``residual + x + bias``).
+      seq_first: ``x`` is ``(len, batch, hidden)``; the mask is the one the
+        ``(batch, len, hidden)`` transpose would get.
 
     Returns:
       ``(..., hidden)`` in ``x.dtype``; all arithmetic in float32, rounded once.
@@ -266,16 +283,17 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
       ``dbias = sum over rows of dx``, ``dresidual = dy``.
     """
     op = "bias_dropout_residual"
-    _check_x_bias(op, x, bias)
+    _check_x_bias(op, x, bias, seq_first)
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
     x, bias, residual = _same_varying(x, bias, residual)
-    return _bias_dropout_residual(x, bias, residual, seed, threshold, scale)
+    return _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first)
 
 
-def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, deterministic: bool = False):
+def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, deterministic: bool = False,
+                     seq_first: bool = False):
     """``dropout(act(x + bias))`` (the first half of a Transformer FFN).
 
     Args:
@@ -286,6 +304,8 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
       deterministic: no dropout.
+      seq_first: ``x`` is ``(len, batch, hidden)``; the mask is the one the
+        ``(batch, len, hidden)`` transpose would get.
 
     Returns:
       ``(..., hidden)`` in ``x.dtype``; float32 math in registers. The backward keeps
@@ -293,9 +313,9 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
       ``dbias = sum over rows of dx``.
     """
     op = "bias_act_dropout"
-    _check_x_bias(op, x, bias)
+    _check_x_bias(op, x, bias, seq_first)
     if activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
     x, bias = _same_varying(x, bias)
-    return _bias_act_dropout(x, bias, seed, activation, threshold, scale)
+    return _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)
