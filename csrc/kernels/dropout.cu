@@ -38,6 +38,11 @@ constexpr int RowsInFlight(int kind) {
   return kind == kBdrBwd ? 8 : kind == kActFwd ? 2 : 4;
 }
 
+// Rows per step of the prefetching variant (dropout_prefetch=1): half the default, so
+// the two sets of packs in registers take about what the default's one set does; the
+// activation forward (2 rows, 64 registers either way) keeps its 2.
+constexpr int PrefetchRows(int kind, int u) { return kind == kActFwd ? u : (u / 2 > 1 ? u / 2 : 1); }
+
 // erf(x) within 6e-7 absolute in float32 arithmetic (Abramowitz & Stegun 7.1.26),
 // branch-free, about 14 instructions against erff's ~30 in two divergent branches,
 // given e = exp(-x^2) (the GELU backward shares it with the normal density).
@@ -172,11 +177,14 @@ struct RowNumbering {
   }
 };
 
-template <typename T, int VEC, int KIND, int ACT, bool DROP, int U>
+// PF (prefetch): a thread loads its next U rows before computing the current ones, so
+// loads stay in flight through the arithmetic and stores (twice the packs in registers).
+template <typename T, int VEC, int KIND, int ACT, bool DROP, int U, bool PF = false>
 __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
   constexpr bool kBwd = KIND == kBdrBwd || KIND == kActBwd;
   constexpr bool kIn1 = KIND == kBdrFwd || KIND == kActBwd;
   constexpr bool kBias = KIND != kBdrBwd;
+  using PackT = Pack<T, VEC>;
   const int64_t H = a.hidden;
   const int64_t col = ((int64_t)blockIdx.y * blockDim.x + threadIdx.x) * VEC;
   const bool col_ok = col < H;
@@ -197,18 +205,19 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.y;
     const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
     RowNumbering numbering(DROP ? a.seq_batch : 0, a.rows, first, stride);
-    for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
-      // Raw packs in flight (half the registers of floats for 16-bit types).
-      Pack<T, VEC> p0[U], p1[U];
+    // Raw packs in flight (half the registers of floats for 16-bit types).
+    auto load = [&](int64_t r0, PackT (&p0)[U], PackT (&p1)[U]) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t row = r0 + u * stride;
         if (row < a.rows) {
           const int64_t off = row * H + col;
-          p0[u] = *reinterpret_cast<const Pack<T, VEC>*>(in0 + off);
-          if constexpr (kIn1) p1[u] = *reinterpret_cast<const Pack<T, VEC>*>(in1 + off);
+          p0[u] = *reinterpret_cast<const PackT*>(in0 + off);
+          if constexpr (kIn1) p1[u] = *reinterpret_cast<const PackT*>(in1 + off);
         }
       }
+    };
+    auto compute = [&](int64_t r0, const PackT (&p0)[U], const PackT (&p1)[U]) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t row = r0 + u * stride;
@@ -246,6 +255,26 @@ __global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
           }
           StoreFloats<T, VEC>(out + off, o);
         }
+      }
+    };
+    if constexpr (PF) {
+      PackT p0[U], p1[U];
+      load(first, p0, p1);
+      for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
+        PackT q0[U], q1[U];
+        load(r0 + stride * U, q0, q1);
+        compute(r0, p0, p1);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          p0[u] = q0[u];
+          if constexpr (kIn1) p1[u] = q1[u];
+        }
+      }
+    } else {
+      for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
+        PackT p0[U], p1[U];
+        load(r0, p0, p1);
+        compute(r0, p0, p1);
       }
     }
   }
@@ -336,6 +365,12 @@ void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
   constexpr int kVec = kPack<T>;
   static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
   if (sh.vec == kVec) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && (U == RowsInFlight(KIND) || (KIND == kBdrBwd && U == 2))) {
+      static int per_sm_pf[kMaxThreads / 32 + 1] = {};
+      if (GetKernelOption(kDropoutPrefetch) == 1)
+        return LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, PrefetchRows(KIND, U), true>, per_sm_pf,
+                              KIND, sh, k, stream);
+    }
     LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, U>, per_sm_vec, KIND, sh, k, stream);
   } else if constexpr (U == RowsInFlight(KIND)) {  // overrides take the 16-byte path only
     LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP, U>, per_sm_scalar, KIND, sh, k, stream);
