@@ -3,7 +3,8 @@
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), and *_TIMEOUT limits (OPTIM_TIMEOUT for bench_optim) in seconds.
+# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), SANITIZE_TOOLS / SANITIZE_FILES, and *_TIMEOUT
+# limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
@@ -46,10 +47,15 @@ for step in $STEPS; do
       ;;
     sanitize)
       t0=$(date +%s)
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest tests -m "gpu and sanitize" -q \
+      # XLA_PYTHON_CLIENT_ALLOCATOR=platform: every buffer its own cudaMalloc, so memcheck
+      # sees each buffer's bounds (inside XLA's pooled allocator an overrun lands in
+      # another buffer of the pool, which memcheck cannot tell from a valid access).
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout ${SANITIZE_TIMEOUT:-600} compute-sanitizer --tool $tool \
+          --error-exitcode 9 $PY -m pytest ${SANITIZE_FILES:-tests} -m "gpu and sanitize" -q \
           -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1
-        summary+=("compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
+        summary+=("compute-sanitizer $tool: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1) $(tail -1 "$OUT/sanitizer_$tool.log")")
+        pack
       done
       pack
       ;;
