@@ -1,6 +1,6 @@
 // XLA FFI handlers for LayerNorm (plain and fused with a residual add).
+#include <optional>
 #include <string>
-#include <vector>
 
 #include "common.cuh"
 #include "kernels/layer_norm.h"
@@ -51,21 +51,20 @@ ffi::Error Bwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& dy, co
                const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& mean,
                const ffi::AnyBuffer& rstd, ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dgamma,
                ffi::Result<ffi::AnyBuffer>& dbeta, ffi::Result<ffi::AnyBuffer>& partials,
-               const std::vector<ffi::AnyBuffer>* more = nullptr) {
+               const ffi::AnyBuffer* const* more = nullptr, size_t n_more = 0) {
   auto pdims = partials->dimensions();
   LayerNormBwdArgs a{Ptr(dy), dsum ? Ptr(*dsum) : nullptr, Ptr(x), Ptr(gamma),
                      static_cast<const float*>(mean.untyped_data()), static_cast<const float*>(rstd.untyped_data()),
                      Ptr(dx), F32(dgamma), F32(dbeta), F32(partials), pdims.size() > 0 ? pdims[0] : 0,
                      LeadingCount(x), LastDim(x), {nullptr, nullptr, nullptr}, 0};
-  if (more != nullptr) {
-    if (more->size() > static_cast<size_t>(kLayerNormMaxExtraDy))
-      return ffi::Error::InvalidArgument(std::string(op) + ": at most " + std::to_string(kLayerNormMaxExtraDy + 1) +
-                                         " cotangents of y, got " + std::to_string(more->size() + 1));
-    for (const auto& d : *more) {
-      if (d.element_type() != dy.element_type() || d.element_count() != dy.element_count())
-        return ffi::Error::InvalidArgument(std::string(op) + ": every cotangent of y must match dy's dtype and size");
-      a.dy_more[a.n_more++] = Ptr(d);
-    }
+  if (n_more > static_cast<size_t>(kLayerNormMaxExtraDy))
+    return ffi::Error::InvalidArgument(std::string(op) + ": at most " + std::to_string(kLayerNormMaxExtraDy + 1) +
+                                       " cotangents of y, got " + std::to_string(n_more + 1));
+  for (size_t i = 0; i < n_more; ++i) {
+    const ffi::AnyBuffer& d = *more[i];
+    if (d.element_type() != dy.element_type() || d.element_count() != dy.element_count())
+      return ffi::Error::InvalidArgument(std::string(op) + ": every cotangent of y must match dy's dtype and size");
+    a.dy_more[a.n_more++] = Ptr(d);
   }
   if (a.max_parts < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
@@ -104,20 +103,27 @@ ffi::Error LayerNormBwdMultiImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
                                  ffi::Result<ffi::AnyBuffer> partials, int32_t has_dsum) {
   const char* op = "layer_norm(copies) backward";
-  std::vector<ffi::AnyBuffer> all;
-  for (size_t i = 0; i < cts.size(); ++i) {
+  // Fixed-size storage: no host allocation per call.
+  constexpr size_t kMaxOperands = kLayerNormMaxExtraDy + 2;  // dy, the extra cotangents, dsum
+  const size_t n = cts.size();
+  const size_t n_dy = n - (has_dsum && n > 0 ? 1 : 0);
+  if (n < (has_dsum ? 2u : 1u) || n_dy < 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected at least one cotangent of y");
+  if (n > kMaxOperands || n_dy > static_cast<size_t>(kLayerNormMaxExtraDy + 1))
+    return ffi::Error::InvalidArgument(std::string(op) + ": at most " + std::to_string(kLayerNormMaxExtraDy + 1) +
+                                       " cotangents of y, got " + std::to_string(n_dy));
+  std::optional<ffi::AnyBuffer> all[kMaxOperands];
+  for (size_t i = 0; i < n; ++i) {
     auto b = cts.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(op) + ": bad cotangent operand");
-    all.push_back(*b);
+    all[i].emplace(*b);
   }
-  const size_t n_dy = all.size() - (has_dsum ? 1 : 0);
-  if (all.size() < (has_dsum ? 2u : 1u) || n_dy < 1)
-    return ffi::Error::InvalidArgument(std::string(op) + ": expected at least one cotangent of y");
-  const ffi::AnyBuffer* dsum = has_dsum ? &all.back() : nullptr;
+  const ffi::AnyBuffer* dsum = has_dsum ? &*all[n - 1] : nullptr;
   if (dsum != nullptr && (dsum->element_type() != x.element_type() || dsum->element_count() != x.element_count()))
     return ffi::Error::InvalidArgument(std::string(op) + ": dsum must match x's dtype and size");
-  std::vector<ffi::AnyBuffer> more(all.begin() + 1, all.begin() + n_dy);
-  return Bwd(stream, op, all[0], dsum, x, gamma, mean, rstd, dx, dgamma, dbeta, partials, &more);
+  const ffi::AnyBuffer* more[kLayerNormMaxExtraDy];
+  for (size_t i = 1; i < n_dy; ++i) more[i - 1] = &*all[i];
+  return Bwd(stream, op, *all[0], dsum, x, gamma, mean, rstd, dx, dgamma, dbeta, partials, more, n_dy - 1);
 }
 
 }  // namespace
