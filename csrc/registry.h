@@ -34,7 +34,8 @@ enum KernelOption : int {
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
-  kDropoutPrefetch,          // "dropout_prefetch": 1 = load the next rows before computing (bfloat16, 16-byte path)
+  kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing
+                             // the current ones (bfloat16, 16-byte path; prefetching is the built-in choice)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

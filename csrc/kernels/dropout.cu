@@ -38,9 +38,12 @@ constexpr int RowsInFlight(int kind) {
   return kind == kBdrBwd ? 8 : kind == kActFwd ? 2 : 4;
 }
 
-// Rows per step of the prefetching variant (dropout_prefetch=1): half the default, so
-// the two sets of packs in registers take about what the default's one set does; the
-// activation forward (2 rows, 64 registers either way) keeps its 2.
+// bfloat16 with 16-byte accesses (the path models take) runs the prefetching kernel
+// (PF below; the option dropout_prefetch=2 turns it off): on the H200 it was faster than
+// the plain one on every op and shape benchmarked (bench/PERF_NOTES.md, "Prefetch").
+// Its rows per step: half the plain kernel's, so its two sets of packs in registers take
+// about what the plain one's one set does; the activation forward (2 rows, 64 registers
+// either way) keeps its 2.
 constexpr int PrefetchRows(int kind, int u) { return kind == kActFwd ? u : (u / 2 > 1 ? u / 2 : 1); }
 
 // erf(x) within 6e-7 absolute in float32 arithmetic (Abramowitz & Stegun 7.1.26),
@@ -367,7 +370,7 @@ void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
   if (sh.vec == kVec) {
     if constexpr (std::is_same_v<T, __nv_bfloat16> && (U == RowsInFlight(KIND) || (KIND == kBdrBwd && U == 2))) {
       static int per_sm_pf[kMaxThreads / 32 + 1] = {};
-      if (GetKernelOption(kDropoutPrefetch) == 1)
+      if (GetKernelOption(kDropoutPrefetch) != 2)
         return LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, PrefetchRows(KIND, U), true>, per_sm_pf,
                               KIND, sh, k, stream);
     }
