@@ -130,6 +130,7 @@ __device__ __forceinline__ void StoreFloats(T* p, const float (&in)[N]) {
 // inputs and results flushed to zero. exp2f and __fdividef without -ftz add a rescaling
 // around it for subnormals; where the result feeds a 16-bit output or a sum >= 1 the
 // flushed values (below 2^-126) cannot show.
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x * kLog2e)
 __device__ __forceinline__ float Exp2Approx(float t) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));

@@ -1,6 +1,6 @@
 // Online softmax statistics of the row-per-block cross-entropy kernel (cross_entropy.cu):
 // exp of shifted logits, and the running (max, sum of exp, sum of logits) folded per
-// thread and merged across a block; cross_entropy_staged.cu takes kLog2e from here.
+// thread and merged across a block.
 // Internal linkage: each translation unit gets its own copy.
 #pragma once
 #include <type_traits>
@@ -9,8 +9,6 @@
 
 namespace jax_ls2 {
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 // exp(t) for t = logit - max <= 0. fp32 logits use the accurate expf (its error matches
 // XLA's); 16-bit logits, whose own rounding dominates, use the cheaper exp2.

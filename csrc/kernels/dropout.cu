@@ -61,7 +61,7 @@ __device__ __forceinline__ float ErfFastGivenExp(float x, float e) {
   return copysignf(1.f - p * t * e, x);
 }
 
-__device__ __forceinline__ float ExpApprox(float x) { return Exp2Approx(x * 1.4426950408889634f); }
+__device__ __forceinline__ float ExpApprox(float x) { return Exp2Approx(x * kLog2e); }
 __device__ __forceinline__ float ErfFast(float x) { return ErfFastGivenExp(x, ExpApprox(-x * x)); }
 
 template <typename T>

@@ -29,7 +29,6 @@ namespace {
 constexpr int kElemsPerThread = 16;
 constexpr int kMaxRowThreads = 512;  // register path: k_len <= 512 * 16
 constexpr int kLoopThreads = 512;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // exp(x - m). fp32 uses the accurate expf; fp16/bf16 the hardware exp2 (its error
 // is far below their rounding). The backward uses the same function, so p is
