@@ -70,7 +70,8 @@ for step in $STEPS; do
       # with XLA's default pool (85% of the GPU) that stalls at the first kernel.
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name-base demangled \
         --kernel-name "${NCU_KERNELS:-regex:jax_ls2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+        --section InstructionStats --section SchedulerStats \
         $PY -m bench.profile_kernels ${NCU_ARGS:-} >"$OUT/ncu.txt" 2>&1
       summary+=("ncu: exit $? ($(( $(date +%s) - t0 )) s), see ncu.txt")
       pack

@@ -41,6 +41,8 @@ def cases(with_xla: bool):
                     (x, b, r, dy))
         for tag, f in (("", ours_bad),) + ((("_xla", xla_bad),) if with_xla else ()):
             out[f"gelu_fwd_{n}x{h}{tag}"] = (jax.jit(lambda x, b, f=f: f(x, b, k[6])), (x, b))
+            out[f"gelu_bwd_{n}x{h}{tag}"] = (
+                jax.jit(lambda x, b, dy, f=f: jax.vjp(lambda x, b: f(x, b, k[6]), x, b)[1](dy)), (x, b, dy))
         # GELU without dropout (BERT's FFN): the activation's arithmetic alone
         plain_gelu = lambda x, b: ops.bias_act_dropout(x, b, activation="gelu", rate=0.0, deterministic=True)
         out[f"gelu_nodrop_fwd_{n}x{h}"] = (jax.jit(plain_gelu), (x, b))
@@ -50,9 +52,10 @@ def cases(with_xla: bool):
         for tag, f in (("", ops.layer_norm),) + ((("_xla", xla_layer_norm),) if with_xla else ()):
             out[f"ln_bwd_{n}x{h}{tag}"] = (
                 jax.jit(lambda x, g, dy, f=f: jax.vjp(lambda x, g: f(x, g, g), x, g)[1](dy)), (x, g, dy))
-    # attention softmax + mask + dropout, 32 x 12 x 512 x 512 and BERT's 256 x 12 x 128 x 128
-    for b, t, sfx in ((32, 512, ""), (256, 128, "_128")):
-        s, dy = _normal(k[0], (b, 12, t, t)), _normal(k[1], (b, 12, t, t))
+    # attention softmax + mask + dropout, 32 x 12 x 512 x 512, 4 x 32 x 2048 x 2048 and
+    # BERT's 256 x 12 x 128 x 128
+    for b, nh, t, sfx in ((32, 12, 512, ""), (4, 32, 2048, "_2048"), (256, 12, 128, "_128")):
+        s, dy = _normal(k[0], (b, nh, t, t)), _normal(k[1], (b, nh, t, t))
         mask = jnp.ones((b, 1, 1, t), bool)
         for tag, f in (("", ours_softmax_dropout),) + ((("_xla", xla_softmax_dropout),) if with_xla else ()):
             out[f"softmax_fwd{sfx}{tag}"] = (jax.jit(lambda s, m, f=f: f(s, m, k[7], scale=0.125)), (s, mask))
