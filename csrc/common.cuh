@@ -180,7 +180,13 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
 // seed = (k0, k1, offset): the two words of the JAX key and an element offset
 // (non-zero only for shards of a partitioned array). Element i (global index
 // g = offset + i) is kept iff the 16-bit draw u16(g) >= threshold, where
-// threshold = round(rate * 65536); u16(g) is half of Hash(g >> 1).
+// threshold = round(rate * 65536); u16(g) is the low (even g) or high (odd g) half of
+// DropoutHash(g & ~1) = Mix32(((g & ~1) * 0x9e3779b1 + k0) ^ k1) (uint32 arithmetic).
+//
+// One Mix32 per pair of elements, about 9 integer instructions: the hash is the bulk
+// of the dropout kernels' arithmetic, so it gets one round, not two (19). Hashing the
+// even index rather than g >> 1 lets consecutive pairs share g0 * 0x9e3779b1 + k0 (one
+// add each) and wrap exactly as the uint32 index does.
 __device__ __forceinline__ uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -189,17 +195,46 @@ __device__ __forceinline__ uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   return x;
 }
-__device__ __forceinline__ uint32_t DropoutHash(uint32_t pair, uint32_t k0, uint32_t k1) {
-  return Mix32(Mix32(pair * 0x9e3779b1u ^ k0) ^ k1);
+__device__ __forceinline__ uint32_t DropoutHash(uint32_t even_g, uint32_t k0, uint32_t k1) {
+  // Mix32(w ^ k1) with w = even_g * C + k0, its first step written as
+  // w ^ (w >> 16) ^ (k1 ^ (k1 >> 16)): the k1 term is loop-invariant, so the step
+  // stays one shift and one three-input xor.
+  uint32_t x = even_g * 0x9e3779b1u + k0;
+  x ^= (x >> 16) ^ (k1 ^ (k1 >> 16));
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
 }
+// The two draws of hash h against thr16 = threshold << 16: the low half u is kept iff
+// (u << 16) >= thr16, the high half iff h >= thr16 (one compare each, no extraction).
+__device__ __forceinline__ bool KeepLow(uint32_t h, uint32_t thr16) { return (h << 16) >= thr16; }
+__device__ __forceinline__ bool KeepHigh(uint32_t h, uint32_t thr16) { return h >= thr16; }
 struct DropoutSeed {
   uint32_t k0, k1, offset;
 };
 // Keep flag for global element index g.
 __device__ __forceinline__ bool DropoutKeep(uint32_t g, const DropoutSeed& s, uint32_t threshold) {
-  uint32_t h = DropoutHash(g >> 1, s.k0, s.k1);
-  uint32_t u = (g & 1u) ? (h >> 16) : (h & 0xffffu);
-  return u >= threshold;
+  const uint32_t h = DropoutHash(g & ~1u, s.k0, s.k1);
+  return (g & 1u) ? KeepHigh(h, threshold << 16) : KeepLow(h, threshold << 16);
+}
+// Keep flags of elements g0 .. g0 + VEC - 1; one hash per pair when g0 is even.
+template <int VEC>
+__device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
+                                        bool (&keep)[VEC]) {
+  if (VEC % 2 == 0 && (g0 & 1u) == 0u) {
+    const uint32_t thr16 = threshold << 16;
+#pragma unroll
+    for (int k = 0; k < VEC / 2; ++k) {
+      const uint32_t h = DropoutHash(g0 + 2u * k, s.k0, s.k1);
+      keep[2 * k] = KeepLow(h, thr16);
+      keep[2 * k + 1] = KeepHigh(h, thr16);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
+  }
 }
 
 }  // namespace jax_ls2

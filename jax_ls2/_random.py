@@ -4,8 +4,8 @@ Element ``g`` (global flat index, offset included) of a dropout mask is kept iff
 its 16-bit draw ``u16(g) >= threshold`` with ``threshold = round(rate * 65536)``:
 so the dropout rate is quantised to 1/65536 and the kept fraction is exactly
 ``1 - threshold / 65536``. ``u16(g)`` is the low (even g) or high (odd g) half of
-``hash(g >> 1)``, where ``hash`` mixes the pair counter with the two 32-bit words
-of the JAX key.
+``mix32(((g & ~1) * 0x9E3779B1 + k0) ^ k1)`` (uint32 arithmetic), ``k0, k1`` the two
+32-bit words of the JAX key.
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ def keep_mask(seed: jax.Array, shape, threshold: int) -> jax.Array:
     """Boolean keep mask of `shape` for seed uint32[3], element order row-major."""
     n = int(np.prod(shape, dtype=np.int64))
     g = jnp.arange(n, dtype=jnp.uint32) + seed[2]
-    pair = g >> 1
-    h = mix32(mix32((pair * np.uint32(0x9E3779B1)) ^ seed[0]) ^ seed[1])
+    h = mix32(((g & np.uint32(0xFFFFFFFE)) * np.uint32(0x9E3779B1) + seed[0]) ^ seed[1])
     u = jnp.where((g & 1) == 1, h >> 16, h & np.uint32(0xFFFF))
     return (u >= np.uint32(threshold)).reshape(shape)

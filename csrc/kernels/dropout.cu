@@ -31,12 +31,12 @@ constexpr int kMaxThreads = 512;
 // Rows each thread loads before computing (measured on the H200, bfloat16, the
 // dropout_rows_in_flight sweep in bench/PERF_NOTES.md): 4 for the kernels streaming two
 // inputs; 2 for the activation forward, whose arithmetic (the hash, erf) needs the
-// occupancy more than the bytes in flight; 8 for the bias+dropout+residual backward at
-// hidden sizes above 2048, 2 at smaller ones (RowsFor).
+// occupancy more than the bytes in flight; for the bias+dropout+residual backward 4
+// at hidden sizes above 2048 (the prefetching kernel's 2 rows a step at 64 registers,
+// two blocks per SM: with 4 a step, 95 registers and one block, ncu read 59% of DRAM
+// bandwidth at 8192 x 4096), 2 at smaller ones (RowsFor).
 enum Kind : int { kBdrFwd = 0, kBdrBwd = 1, kActFwd = 2, kActBwd = 3 };
-constexpr int RowsInFlight(int kind) {
-  return kind == kBdrBwd ? 8 : kind == kActFwd ? 2 : 4;
-}
+constexpr int RowsInFlight(int kind) { return kind == kActFwd ? 2 : 4; }
 
 // bfloat16 with 16-byte accesses (the path models take) runs the prefetching kernel
 // (PF below; the option dropout_prefetch=2 turns it off): on the H200 it was faster than
@@ -45,6 +45,14 @@ constexpr int RowsInFlight(int kind) {
 // about what the plain one's one set does; the activation forward (2 rows, 64 registers
 // either way) keeps its 2.
 constexpr int PrefetchRows(int kind, int u) { return kind == kActFwd ? u : (u / 2 > 1 ? u / 2 : 1); }
+// Blocks of 512 threads per SM the prefetching kernel is compiled for: 2 (<= 64
+// registers) where its packs fit without spilling (ptxas, sm_90: the
+// bias+dropout+residual backward up to 2 rows a step, the activation forward, the
+// activation backward (20 bytes spilled) and the bias+dropout+residual forward at 1
+// row), else 1 (their 2-row steps take 94-99 registers).
+constexpr int PrefetchMinBlocks(int kind, int rows) {
+  return kind == kBdrBwd || kind == kActFwd || rows == 1 ? 2 : 1;
+}
 
 // erf(x) within 6e-7 absolute in float32 arithmetic (Abramowitz & Stegun 7.1.26),
 // branch-free, about 14 instructions against erff's ~30 in two divergent branches,
@@ -120,23 +128,6 @@ __device__ __forceinline__ float ActGrad(float v) {
   }
 }
 
-// Keep flags of elements g0 .. g0 + VEC - 1; one hash per aligned pair.
-template <int VEC>
-__device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
-                                        bool (&keep)[VEC]) {
-  if (VEC % 2 == 0 && (g0 & 1u) == 0u) {
-#pragma unroll
-    for (int k = 0; k < VEC / 2; ++k) {
-      const uint32_t h = DropoutHash((g0 >> 1) + k, s.k0, s.k1);
-      keep[2 * k] = (h & 0xffffu) >= threshold;
-      keep[2 * k + 1] = (h >> 16) >= threshold;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
-  }
-}
-
 struct KernelArgs {
   const void* in0;    // x (forward) or dy (backward)
   const void* in1;    // residual (bdr forward), x (act backward), else nullptr
@@ -183,7 +174,7 @@ struct RowNumbering {
 // PF (prefetch): a thread loads its next U rows before computing the current ones, so
 // loads stay in flight through the arithmetic and stores (twice the packs in registers).
 template <typename T, int VEC, int KIND, int ACT, bool DROP, int U, bool PF = false>
-__global__ void __launch_bounds__(kMaxThreads) DropoutKernel(KernelArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) : 1) DropoutKernel(KernelArgs a) {
   constexpr bool kBwd = KIND == kBdrBwd || KIND == kActBwd;
   constexpr bool kIn1 = KIND == kBdrFwd || KIND == kActBwd;
   constexpr bool kBias = KIND != kBdrBwd;
@@ -368,7 +359,7 @@ void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
   constexpr int kVec = kPack<T>;
   static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
   if (sh.vec == kVec) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16> && (U == RowsInFlight(KIND) || (KIND == kBdrBwd && U == 2))) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && (U == RowsInFlight(KIND) || U == 2)) {
       static int per_sm_pf[kMaxThreads / 32 + 1] = {};
       if (GetKernelOption(kDropoutPrefetch) != 2)
         return LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, PrefetchRows(KIND, U), true>, per_sm_pf,

@@ -25,8 +25,10 @@ __device__ __forceinline__ int64_t Clamp(int64_t v, int64_t n) { return v < 0 ? 
 template <int VEC>
 __device__ __forceinline__ void KeepFlags(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
                                           float keep_scale, float (&m)[VEC]) {
+  bool keep[VEC];
+  KeepVec<VEC>(g0, s, threshold, keep);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) m[j] = DropoutKeep(g0 + (uint32_t)j, s, threshold) ? keep_scale : 0.f;
+  for (int j = 0; j < VEC; ++j) m[j] = keep[j] ? keep_scale : 0.f;
 }
 
 __device__ __forceinline__ DropoutSeed LoadSeed(const uint32_t* seed) {

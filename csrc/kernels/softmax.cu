@@ -75,25 +75,6 @@ __device__ __forceinline__ uint32_t LoadMaskBits(const uint8_t* m) {
   }
 }
 
-// Keep bits for elements g0 .. g0 + VEC - 1 (bit j for g0 + j).
-template <int VEC>
-__device__ __forceinline__ uint32_t KeepBits(uint32_t g0, const DropoutSeed& s, uint32_t thr) {
-  uint32_t bits = 0;
-  if (VEC % 2 == 0 && (g0 & 1u) == 0) {
-    const uint32_t pair0 = g0 >> 1;
-#pragma unroll
-    for (int i = 0; i < VEC / 2; ++i) {
-      const uint32_t h = DropoutHash((pair0 + i) & 0x7fffffffu, s.k0, s.k1);
-      bits |= ((h & 0xffffu) >= thr ? 1u : 0u) << (2 * i);
-      bits |= ((h >> 16) >= thr ? 1u : 0u) << (2 * i + 1);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) bits |= (DropoutKeep(g0 + j, s, thr) ? 1u : 0u) << j;
-  }
-  return bits;
-}
-
 __device__ __forceinline__ uint32_t Div(uint32_t n, const FastDiv& f) {
   return f.d == 1 ? n : __umulhi(n, f.mul) >> f.shr;
 }
@@ -146,13 +127,12 @@ __device__ __forceinline__ void LoadLogits(const SoftmaxProblem& p, const Row& r
 #pragma unroll
     for (int j = 0; j < VEC; ++j) b[j] = r.bconst;
   }
-  uint32_t mbits = 0xffffffffu;
-  if (p.mask != nullptr && p.mask_k != 0) mbits = LoadMaskBits<VEC>(p.mask + r.moff + col);
+  // Bit j: column col + j attended (<= r.limit, one compare per vector) and not masked.
+  const int64_t attended = r.limit - col + 1;
+  uint32_t ok = attended >= VEC ? (1u << VEC) - 1u : (1u << (uint32_t)attended) - 1u;
+  if (p.mask != nullptr && p.mask_k != 0) ok &= LoadMaskBits<VEC>(p.mask + r.moff + col);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const bool ok = (col + j <= r.limit) && ((mbits >> j) & 1u);
-    v[j] = ok ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
-  }
+  for (int j = 0; j < VEC; ++j) v[j] = ((ok >> j) & 1u) ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
 }
 
 __device__ __forceinline__ DropoutSeed LoadSeed(const SoftmaxProblem& p) {
@@ -237,9 +217,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kEle
     if (col < p.cols) {
       float o[VEC];
       if (thr != 0) {
-        const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr);
+        bool keep[VEC];
+        KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] = ((bits >> j) & 1u) ? v[i][j] * kept : 0.f;
+        for (int j = 0; j < VEC; ++j) o[j] = keep[j] ? v[i][j] * kept : 0.f;
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = v[i][j] * inv;
@@ -289,9 +270,10 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdA
       for (int j = 0; j < VEC; ++j) v[j] = -INFINITY;
     }
     if (thr != 0) {
-      const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr);
+      bool keep[VEC];
+      KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = ((bits >> j) & 1u) ? ExpShift<T>(v[j], mx) * kept : 0.f;
+      for (int j = 0; j < VEC; ++j) o[j] = keep[j] ? ExpShift<T>(v[j], mx) * kept : 0.f;
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = ExpShift<T>(v[j], mx) * inv;
@@ -312,9 +294,10 @@ __device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, in
 #pragma unroll
   for (int j = 0; j < VEC; ++j) pv[j] = ExpShift<T>(pv[j], st.x) * st.y;
   if (p.threshold != 0) {
-    const uint32_t bits = KeepBits<VEC>((uint32_t)(r.off + col) + seed.offset, seed, p.threshold);
+    bool keep[VEC];
+    KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, p.threshold, keep);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) g[j] = ((bits >> j) & 1u) ? g[j] * p.keep_scale : 0.f;
+    for (int j = 0; j < VEC; ++j) g[j] = keep[j] ? g[j] * p.keep_scale : 0.f;
   }
 }
 
