@@ -36,6 +36,8 @@ enum KernelOption : int {
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing
                              // the current ones (bfloat16, 16-byte path; prefetching is the built-in choice)
+  kLayerNormBwdPrefetch,     // "layer_norm_bwd_prefetch": 1 = the backward that loads a row group's next row
+                             // before reducing the current one (bfloat16, 16-byte path, one cotangent)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {
