@@ -320,13 +320,19 @@ def test_bad_inputs():
 
 # ---------------------------------------------------------------- GPU
 GPU_CASES = [
-    # shape, padding mask, causal, rate
-    ((2, 3, 7, 7), False, True, 0.1),
-    ((2, 2, 33, 1025), True, False, 0.1),
-    ((1, 2, 16, 3000), True, True, 0.1),
-    ((1, 1, 8, 12345), True, False, 0.1),
-    ((32, 12, 128, 512), True, False, 0.1),
-    ((2, 4, 256, 2048), True, True, 0.1),
+    # shape, padding mask, causal, rate, bias along k
+    ((2, 3, 7, 7), False, True, 0.1, True),
+    ((2, 2, 33, 1025), True, False, 0.1, True),
+    ((1, 2, 16, 3000), True, True, 0.1, True),
+    ((1, 1, 8, 12345), True, False, 0.1, True),
+    ((32, 12, 128, 512), True, False, 0.1, True),
+    ((2, 4, 256, 2048), True, True, 0.1, True),
+    # without a bias along k: the kernels compiled without it (the warp-row forward at
+    # 513-2048 columns)
+    ((2, 2, 33, 1000), True, False, 0.1, False),
+    ((2, 4, 64, 2048), True, True, 0.1, False),
+    ((1, 3, 40, 1536), False, False, 0.0, False),
+    ((2, 2, 16, 512), True, True, 0.1, False),
 ]
 
 
@@ -337,10 +343,11 @@ def _xla_same_dtype(s, mask, bias, key, scale, causal, rate):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("shape,padded,causal,rate", GPU_CASES)
-def test_gpu_against_float64_truth(dtype, shape, padded, causal, rate):
+@pytest.mark.parametrize("shape,padded,causal,rate,biased", GPU_CASES)
+def test_gpu_against_float64_truth(dtype, shape, padded, causal, rate, biased):
     b, h, q, k = shape
-    s, _, bias, key = inputs(shape, dtype, seed=k, bias_shape=(1, h, q, k))
+    # Without a bias along k, a per-row one (broadcast over k) still takes the bias path.
+    s, _, bias, key = inputs(shape, dtype, seed=k, bias_shape=(1, h, q, k) if biased else (1, h, q, 1))
     lens = jax.random.randint(jax.random.key(k), (b,), 1, k + 1)
     mask = (jnp.arange(k)[None, :] < lens[:, None])[:, None, None, :] if padded else None
     w = jax.random.normal(jax.random.key(3), shape).astype(dtype)
@@ -430,5 +437,31 @@ def test_gpu_32_elements_per_thread_computes_the_same(k_len):
     prog = jax.jit(both)
     want = jax.block_until_ready(prog(x, dy))
     got = under_kernel_option("softmax_elems", 32, prog, x, dy)
+    assert_bf16_close(got[0], want[0])
+    assert_bf16_close(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_len", [777, 1024, 2048])
+def test_gpu_warp_row_forward_computes_the_same(k_len):
+    """The warp-row forward (the default at 513-2048 columns without a bias along k)
+    against the register kernel (launch option softmax_warp_rows=2): probabilities
+    within an ulp of bfloat16 (the row sums add in another order), the same elements
+    dropped and masked, and the gradient through each one's statistics."""
+    from numerics import assert_bf16_close, under_kernel_option
+    k = jax.random.split(jax.random.key(17), 3)
+    x = (3.0 * jax.random.normal(k[0], (2, 3, 45, k_len), jnp.float32)).astype(jnp.bfloat16)
+    dy = jax.random.normal(k[1], x.shape, jnp.float32).astype(jnp.bfloat16)
+    mask = jax.random.uniform(k[2], (2, 1, 1, k_len)) > 0.2
+
+    def both(x, dy):
+        y, pull = jax.vjp(lambda x: softmax_dropout(x, scale=0.125, mask=mask, causal=True, rate=0.1,
+                                                    key=jax.random.key(4)), x)
+        return y, pull(dy)[0]
+
+    prog = jax.jit(both)
+    want = jax.block_until_ready(prog(x, dy))
+    got = under_kernel_option("softmax_warp_rows", 2, prog, x, dy)
+    np.testing.assert_array_equal(np.asarray(got[0]) == 0, np.asarray(want[0]) == 0)
     assert_bf16_close(got[0], want[0])
     assert_bf16_close(got[1], want[1])

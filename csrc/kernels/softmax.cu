@@ -54,25 +54,39 @@ __device__ __forceinline__ void LoadVec(const T* p, float (&out)[VEC]) {
   }
 }
 
-// Bit j set iff mask byte j is non-zero.
+// Which of VEC consecutive columns take part: byte j % 4 of word j / 4 is non-zero
+// iff column j is attended (before the row's limit) and not masked. Bytes, not bits, so
+// the mask's bytes are used as loaded and each test is one instruction (a masked AND
+// into a predicate).
 template <int VEC>
-__device__ __forceinline__ uint32_t LoadMaskBits(const uint8_t* m) {
-  if constexpr (VEC == 1) {
-    return m[0] != 0;
-  } else if constexpr (VEC == 2) {
-    const uint32_t w = *reinterpret_cast<const uint16_t*>(m);
-    return (w & 0xffu ? 1u : 0u) | (w & 0xff00u ? 2u : 0u);
-  } else {
-    static_assert(VEC % 4 == 0, "mask packs of 4 bytes");
-    uint32_t bits = 0;
+struct ColumnFlags {
+  static constexpr int kWords = (VEC + 3) / 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ bool operator[](int j) const { return (w[j / 4] >> (8 * (j % 4))) & 0xffu; }
+};
+
+// attended: columns from col on that are <= the row's limit (>= 1).
+template <int VEC, typename I>
+__device__ __forceinline__ ColumnFlags<VEC> LoadColumnFlags(I attended, const uint8_t* m) {
+  ColumnFlags<VEC> f;
+  const int att = (int)(attended < VEC ? attended : VEC);
 #pragma unroll
-    for (int c = 0; c < VEC; c += 4) {
-      // Each byte becomes 0 or 1, then one multiply gathers the four low bits.
-      const uint32_t w = __vcmpne4(*reinterpret_cast<const uint32_t*>(m + c), 0u) & 0x01010101u;
-      bits |= (((w * 0x01020408u) >> 24) & 0xfu) << c;
+  for (int c = 0; c < f.kWords; ++c) {
+    // The low 8n bits for the n = clamp(att - 4c, 0, 4) attended columns of this word
+    // (a clamping funnel shift: 32 and more give all ones).
+    const int n = max(att - 4 * c, 0);
+    f.w[c] = __funnelshift_lc(0xffffffffu, 0u, 8 * (uint32_t)n);
+    if (m != nullptr) {
+      if constexpr (VEC == 1) {
+        f.w[c] &= m[0];
+      } else if constexpr (VEC == 2) {
+        f.w[c] &= *reinterpret_cast<const uint16_t*>(m);
+      } else {
+        f.w[c] &= *reinterpret_cast<const uint32_t*>(m + 4 * c);
+      }
     }
-    return bits;
   }
+  return f;
 }
 
 __device__ __forceinline__ uint32_t Div(uint32_t n, const FastDiv& f) {
@@ -116,23 +130,23 @@ __device__ __forceinline__ Row RowSetup(const SoftmaxProblem& p, int64_t row) {
 }
 
 // Logits of columns col .. col + VEC - 1 (-inf where masked). col <= r.limit.
-template <typename T, typename BT, int VEC>
+// BIASK = false: compiled for problems without a bias along k (none, or one value per
+// row), whose arithmetic is then free of the per-element bias selects.
+template <typename T, typename BT, int VEC, bool BIASK = true>
 __device__ __forceinline__ void LoadLogits(const SoftmaxProblem& p, const Row& r, int64_t col,
                                            float (&v)[VEC]) {
   LoadVec<T, VEC>(static_cast<const T*>(p.x) + r.off + col, v);
   float b[VEC];
-  if (p.bias != nullptr && p.bias_k != 0) {
+  if (BIASK && p.bias != nullptr && p.bias_k != 0) {
     LoadVec<BT, VEC>(static_cast<const BT*>(p.bias) + r.boff + col, b);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) b[j] = r.bconst;
   }
-  // Bit j: column col + j attended (<= r.limit, one compare per vector) and not masked.
-  const int64_t attended = r.limit - col + 1;
-  uint32_t ok = attended >= VEC ? (1u << VEC) - 1u : (1u << (uint32_t)attended) - 1u;
-  if (p.mask != nullptr && p.mask_k != 0) ok &= LoadMaskBits<VEC>(p.mask + r.moff + col);
+  const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(
+      r.limit - col + 1, p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff + col : nullptr);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) v[j] = ((ok >> j) & 1u) ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
+  for (int j = 0; j < VEC; ++j) v[j] = ok[j] ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
 }
 
 __device__ __forceinline__ DropoutSeed LoadSeed(const SoftmaxProblem& p) {
@@ -169,7 +183,7 @@ __device__ __forceinline__ float RowReduce(float v, float* scratch) {
 // ------------------------------------------------------------------ forward
 // Vectorised: <= 40 registers (no spills), so 6 blocks of 256 threads fit an SM and
 // more loads are in flight.
-template <typename T, typename BT, int VEC, int ITEMS>
+template <typename T, typename BT, int VEC, int ITEMS, bool BIASK = true>
 __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kElemsPerThread ? 3 : 1)
     SoftmaxFwdKernel(SoftmaxFwdArgs a) {
   __shared__ float scratch[32 * 32];
@@ -185,7 +199,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kEle
   for (int i = 0; i < ITEMS; ++i) {
     const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
     if (col <= r.limit) {
-      LoadLogits<T, BT, VEC>(p, r, col, v[i]);
+      LoadLogits<T, BT, VEC, BIASK>(p, r, col, v[i]);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[i][j]);
     } else {
@@ -229,6 +243,108 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kEle
     }
   }
   if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
+}
+
+// Warp-row forward (16-bit, 16-byte accesses, no bias along k; k_len in (512, 2048]):
+// one warp per row, CH packs of VEC per lane held as loaded (CH * 4 registers). The
+// max and the sum of exp are taken in one pass with a running max (one rescale per
+// pack whose max is a new one) and merged across the warp by shuffles alone, so a row
+// costs no barrier; the output pass recomputes each logit and its exp from the packs.
+// Against the register kernel's 4-warp rows (16 elements a thread) this takes the
+// row's fixed costs (row setup, reductions, barriers) once per 32 lanes instead of
+// per 128 threads: the forward is issue-bound, and they were a third of its
+// instructions at 2048 columns (ncu, H200).
+constexpr int kWarpRowThreads = 128;
+template <typename T, typename BT, int VEC, int CH>
+__global__ void __launch_bounds__(kWarpRowThreads, CH > 4 ? 5 : 8) SoftmaxFwdWarpKernel(SoftmaxFwdArgs a) {
+  using PackT = Pack<T, VEC>;
+  const SoftmaxProblem& p = a.p;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t)blockIdx.x * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
+  if (row >= p.rows) return;  // the whole warp: one row per warp
+  const Row r = RowSetup<BT>(p, row);
+  const T* x = static_cast<const T*>(p.x) + r.off;
+  const uint8_t* mrow = p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff : nullptr;
+  // 32-bit column arithmetic (k_len <= 2048).
+  const int attended = (int)(r.limit + 1);
+  // + 0 (kept: -0 + 0 is +0, so it is no identity to ptxas) makes scale a value
+  // computed once rather than one ptxas re-reads from the parameter bank per element.
+  float scale;
+  asm("add.f32 %0, %1, 0f00000000;" : "=f"(scale) : "f"(p.scale));
+  const float bconst = r.bconst;
+  PackT px[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = (c * 32 + lane) * VEC;
+    if (col < attended) px[c] = *reinterpret_cast<const PackT*>(x + col);
+  }
+  float m = -INFINITY, s = 0.f;
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = (c * 32 + lane) * VEC;
+    if (col < attended) {
+      const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
+      float v[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = ok[j] ? __fmaf_rn(ToFloat(px[c].v[j]), scale, bconst) : -INFINITY;
+      float cm = v[0];
+#pragma unroll
+      for (int j = 1; j < VEC; ++j) cm = fmaxf(cm, v[j]);
+      if (cm > m) {
+        s = m == -INFINITY ? 0.f : s * ExpShift<T>(m, cm);
+        m = cm;
+      }
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s += ExpShift<T>(v[j], m);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    const float mm = fmaxf(m, m2);
+    s = (m == -INFINITY ? 0.f : s * ExpShift<T>(m, mm)) + (m2 == -INFINITY ? 0.f : s2 * ExpShift<T>(m2, mm));
+    m = mm;
+  }
+  const float mx = m == -INFINITY ? 0.f : m;  // fully masked: every exp is 0
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  const uint32_t thr = p.threshold;
+  const DropoutSeed seed = LoadSeed(p);
+  const float kept = inv * p.keep_scale;
+  T* y = static_cast<T*>(a.y) + r.off;
+  // Each exp as the backward recomputes it (ExpShift of the same logit), masked and
+  // dropped columns selected to 0 afterwards.
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = (c * 32 + lane) * VEC;
+    if (col < p.cols) {
+      float o[VEC];
+      if (col < attended) {
+        const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
+        if (thr != 0) {
+          bool keep[VEC];
+          KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float e = ExpShift<T>(__fmaf_rn(ToFloat(px[c].v[j]), scale, bconst), mx);
+            o[j] = ok[j] && keep[j] ? e * kept : 0.f;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float e = ExpShift<T>(__fmaf_rn(ToFloat(px[c].v[j]), scale, bconst), mx);
+            o[j] = ok[j] ? e * inv : 0.f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = 0.f;
+      }
+      StoreFloats<T, VEC>(y + col, o);
+    }
+  }
+  if (lane == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
 }
 
 template <typename T, typename BT, int VEC>
@@ -285,11 +401,11 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdA
 
 // ------------------------------------------------------------------ backward
 // p and g of columns col .. col + VEC - 1 (col <= r.limit).
-template <typename T, typename BT, int VEC>
+template <typename T, typename BT, int VEC, bool BIASK = true>
 __device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, int64_t col, float2 st,
                                        const DropoutSeed& seed, float (&pv)[VEC], float (&g)[VEC]) {
   const SoftmaxProblem& p = a.p;
-  LoadLogits<T, BT, VEC>(p, r, col, pv);
+  LoadLogits<T, BT, VEC, BIASK>(p, r, col, pv);
   LoadVec<T, VEC>(static_cast<const T*>(a.dy) + r.off + col, g);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) pv[j] = ExpShift<T>(pv[j], st.x) * st.y;
@@ -301,7 +417,7 @@ __device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, in
   }
 }
 
-template <typename T, typename BT, int VEC, int ITEMS>
+template <typename T, typename BT, int VEC, int ITEMS, bool BIASK = true>
 __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArgs a) {
   __shared__ float scratch[32 * 32];
   const SoftmaxProblem& p = a.p;
@@ -318,7 +434,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
   for (int i = 0; i < ITEMS; ++i) {
     const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
     if (col <= r.limit) {
-      LoadPG<T, BT, VEC>(a, r, col, st, seed, pv[i], g[i]);
+      LoadPG<T, BT, VEC, BIASK>(a, r, col, st, seed, pv[i], g[i]);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc += g[i][j] * pv[i][j];
     } else {
@@ -422,39 +538,69 @@ cudaError_t Launch(const Args& a, int tpr, RegK reg, LoopK loop, cudaStream_t st
 }
 
 // Picks elements per thread and threads per row, then launches the register kernel
-// kernels(vec, items).first or the looped kernel .second; vec and items come as
-// std::integral_constant so one dispatch serves the forward and the backward.
+// kernels(vec, items, biask).first or the looped kernel .second; vec, items and biask
+// come as std::integral_constant so one dispatch serves the forward and the backward.
+// The default 16-byte register kernel is also compiled without the bias-along-k path
+// (biask = false), taken when the problem has no such bias.
 template <typename T, typename Args, typename Kernels>
 cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t stream) {
   using std::integral_constant;
   constexpr int kVec = kPack<T>;
+  using Generic = std::true_type;
   const int elems = ElemsFor<T>(vec);
   const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (elems != kElemsPerThread) {
-      const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, 2 * kElemsPerThread / kVec>{});
+      const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, 2 * kElemsPerThread / kVec>{},
+                             Generic{});
       return Launch(a, tpr, k.first, k.second, stream);
     }
   }
   if (vec == kVec) {
-    const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, kElemsPerThread / kVec>{});
+    using Items = integral_constant<int, kElemsPerThread / kVec>;
+    if (a.p.bias == nullptr || a.p.bias_k == 0) {
+      const auto k = kernels(integral_constant<int, kVec>{}, Items{}, std::false_type{});
+      return Launch(a, tpr, k.first, k.second, stream);
+    }
+    const auto k = kernels(integral_constant<int, kVec>{}, Items{}, Generic{});
     return Launch(a, tpr, k.first, k.second, stream);
   }
-  const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{});
+  const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{}, Generic{});
   return Launch(a, tpr, k.first, k.second, stream);
+}
+
+// The warp-row forward where it applies (see SoftmaxFwdWarpKernel), unless the launch
+// option softmax_warp_rows=2 asks for the register kernel.
+template <typename T, typename BT>
+bool LaunchFwdWarpRows(const SoftmaxFwdArgs& a, int vec, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    constexpr int kVec = kPack<T>;
+    if (vec != kVec || (a.p.bias != nullptr && a.p.bias_k != 0) || a.p.cols <= 512 || a.p.cols > 64 * kVec * 4 ||
+        GetKernelOption(kSoftmaxWarpRows) == 2)
+      return false;
+    const unsigned grid = (unsigned)((a.p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
+    if (a.p.cols <= 32 * kVec * 4)
+      SoftmaxFwdWarpKernel<T, BT, kVec, 4><<<grid, kWarpRowThreads, 0, stream>>>(a);
+    else
+      SoftmaxFwdWarpKernel<T, BT, kVec, 8><<<grid, kWarpRowThreads, 0, stream>>>(a);
+    return true;
+  }
 }
 
 template <typename T, typename BT>
 cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
-  return LaunchTyped<T>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items) {
-    return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
+  if (LaunchFwdWarpRows<T, BT>(a, PickVec<T>(a.p, a.y, nullptr), stream)) return cudaGetLastError();
+  return LaunchTyped<T>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items, auto biask) {
+    return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items(), biask()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
   }, stream);
 }
 
 template <typename T, typename BT>
 cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
-  return LaunchTyped<T>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items) {
-    return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
+  return LaunchTyped<T>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items, auto biask) {
+    return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items(), biask()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
   }, stream);
 }
 
