@@ -2,7 +2,7 @@
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
-# Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, LN_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+# Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS, LN_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
 # limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
@@ -114,7 +114,8 @@ for step in $STEPS; do
                      --only ${DROPOUT_ONLY:-bias_dropout_residual:bwd,bias_act_dropout_gelu:bwd} \
                      --variants ${DROPOUT_VARIANTS:-dropout_rows_in_flight=4} ;;
           optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} ;;
-          softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 --variants softmax_elems=32 ;;
+          softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 \
+                     --variants ${SOFTMAX_VARIANTS:-softmax_warp_rows=2,softmax_elems=32} ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
                             --only layer_norm:bwd,layer_norm_return_input:bwd \
                             --variants ${LN_VARIANTS:-layer_norm_bwd_prefetch=1,layer_norm_bwd_elems=16} ;;
