@@ -443,11 +443,11 @@ def test_gpu_32_elements_per_thread_computes_the_same(k_len):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_len", [777, 1024, 2048])
-def test_gpu_warp_row_forward_computes_the_same(k_len):
-    """The warp-row forward (the default at 513-2048 columns without a bias along k)
-    against the register kernel (launch option softmax_warp_rows=2): probabilities
-    within an ulp of bfloat16 (the row sums add in another order), the same elements
-    dropped and masked, and the gradient through each one's statistics."""
+def test_gpu_warp_row_kernels_compute_the_same(k_len):
+    """The warp-row forward and backward (the default at 513-2048 columns without a bias
+    along k) against the register kernels (launch option softmax_warp_rows=2):
+    probabilities and gradients within an ulp of bfloat16 (the row sums add in another
+    order), the same elements dropped and masked."""
     from numerics import assert_bf16_close, under_kernel_option
     k = jax.random.split(jax.random.key(17), 3)
     x = (3.0 * jax.random.normal(k[0], (2, 3, 45, k_len), jnp.float32)).astype(jnp.bfloat16)
