@@ -25,7 +25,6 @@ PYBIND11_MODULE(_C, m) {
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"softmax_warp_rows", jax_ls2::kSoftmaxWarpRows},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
-        {"layer_norm_bwd_prefetch", jax_ls2::kLayerNormBwdPrefetch},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
     };

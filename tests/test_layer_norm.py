@@ -451,20 +451,3 @@ def test_gpu_backward_launch_options_compute_the_same(option, hidden):
     got = under_kernel_option(*option, prog, x, g, b, r, dy, ds)
     for a, w in zip(got, want):
         assert_bf16_close(a, w)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [768, 1024, 4096])
-def test_gpu_prefetching_backward_equals_the_default(hidden):
-    """The backward that loads a row group's next row before finishing the current one
-    (launch option layer_norm_bwd_prefetch=1) does the same arithmetic in the same order:
-    dx, dgamma and dbeta equal the default kernel's bit for bit. 4099 rows: every block
-    takes several rows, the last step a partial one."""
-    from numerics import under_kernel_option
-    x, g, b, _ = inputs((4099, hidden), jnp.bfloat16, seed=7)
-    dy = jax.random.normal(jax.random.key(8), x.shape).astype(jnp.bfloat16)
-    prog = jax.jit(lambda x, g, b, dy: jax.vjp(lambda x, g, b: layer_norm(x, g, b), x, g, b)[1](dy))
-    want = jax.block_until_ready(prog(x, g, b, dy))
-    got = under_kernel_option("layer_norm_bwd_prefetch", 1, prog, x, g, b, dy)
-    for a, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))

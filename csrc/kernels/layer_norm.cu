@@ -198,13 +198,8 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 // threads per SM still fit: the bound asks ptxas for at most 64 registers). Measured on
 // the H200 at 16384x768: 56% -> 66% of copy bandwidth with the whole-warp row groups.
 // MORE: the number of extra cotangents (a.dy_more) summed into dy as it is loaded.
-// PF (16-byte path, one cotangent): a row group loads its next row's x, dy (and dsum)
-// as raw packs before reducing and writing the current one, so a row's loads are in
-// flight through the previous row's barriers and stores; x and dy are converted from
-// the packs twice (for the sums, then for dx) instead of held as floats, which keeps
-// the two rows' operands in the registers one row's floats took.
-template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false, int MORE = 0, bool PF = false>
-__global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || PF || (MORE > 0 && VEC > 1) ? 2 : 1)
+template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false, int MORE = 0>
+__global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VEC > 1) ? 2 : 1)
     LayerNormBwdKernel(LayerNormBwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC > 0 ? ELEMS / VEC : 1;
   __shared__ float scratch[64 * 16];
@@ -226,164 +221,70 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || PF || (MORE > 0
     for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
   }
 
-  if constexpr (PF) {
-    static_assert(MORE == 0 && VEC > 1, "the prefetching backward takes one cotangent, 16-byte packs");
-    using PackT = Pack<T, VEC>;
-    constexpr bool kDs = RES && EARLY;
-    constexpr int KD = kDs ? ITEMS : 1;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.y;
-    auto load = [&](int64_t row, PackT (&px)[ITEMS], PackT (&pd)[ITEMS], PackT (&ps)[KD], float& mean,
-                    float& rstd) {
-      if (row >= a.rows) return;
-      const int64_t off = row * a.hidden;
-      mean = a.mean[row];
-      rstd = a.rstd[row];
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows;
+       base += (int64_t)gridDim.x * blockDim.y) {
+    const int64_t row = base + threadIdx.y;
+    const bool valid = row < a.rows;
+    const int64_t off = (valid ? row : 0) * a.hidden;
+    const float mean = valid ? a.mean[row] : 0.f;
+    const float rstd = valid ? a.rstd[row] : 0.f;
+    constexpr bool kEarly = RES && EARLY;
+    float xh[ITEMS][VEC], dy[ITEMS][VEC], ds[kEarly ? ITEMS : 1][VEC];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int col = (i * blockDim.x + threadIdx.x) * VEC;
+      if (valid && col < H) {
+        LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
+        LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + off + col, dy[i]);
+        if constexpr (kEarly) LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, ds[i]);
+        if constexpr (MORE > 0) {
+          float more[MORE][VEC];
+#pragma unroll
+          for (int m = 0; m < MORE; ++m) LoadFloats<T, VEC>(static_cast<const T*>(a.dy_more[m]) + off + col, more[m]);
+#pragma unroll
+          for (int m = 0; m < MORE; ++m)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) dy[i][j] += more[m][j];
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xh[i][j] = (xh[i][j] - mean) * rstd;
+          const float gd = dy[i][j] * gam[i][j];
+          s1 += gd;
+          s2 += gd * xh[i][j];
+          dg[i][j] += dy[i][j] * xh[i][j];
+          db[i][j] += dy[i][j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xh[i][j] = dy[i][j] = 0.f;
+      }
+    }
+    RowSum2(s1, s2, scratch);
+    s1 *= inv_h;
+    s2 *= inv_h;
+    if (valid) {
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int col = (i * blockDim.x + threadIdx.x) * VEC;
         if (col < H) {
-          px[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.x) + off + col);
-          pd[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dy) + off + col);
-          if constexpr (kDs) ps[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dsum) + off + col);
-        }
-      }
-    };
-    // gamma stays packed too (converted where used): 4 registers fewer at bfloat16.
-    PackT gp[ITEMS];
+          float o[VEC];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int col = (i * blockDim.x + threadIdx.x) * VEC;
-      if (col < H) gp[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.gamma) + col);
-    }
-    PackT px[ITEMS], pd[ITEMS], ps[KD];
-    float mean = 0.f, rstd = 0.f;
-    int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    load(row, px, pd, ps, mean, rstd);
-    // The trip count is the same for the whole block (RowSum2 synchronises it).
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows; base += stride, row += stride) {
-      PackT qx[ITEMS], qd[ITEMS], qs[KD];
-      float qmean = 0.f, qrstd = 0.f;
-      load(row + stride, qx, qd, qs, qmean, qrstd);
-      const bool valid = row < a.rows;
-      const int64_t off = (valid ? row : 0) * a.hidden;
-      float s1 = 0.f, s2 = 0.f;
+          for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] * gam[i][j] - s1 - xh[i][j] * s2);
+          if constexpr (kEarly) {
 #pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        const int col = (i * blockDim.x + threadIdx.x) * VEC;
-        if (valid && col < H) {
+            for (int j = 0; j < VEC; ++j) o[j] += ds[i][j];
+          } else if constexpr (RES) {
+            float d[VEC];
+            LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, d);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float xh = (ToFloat(px[i].v[j]) - mean) * rstd;
-            const float dy = ToFloat(pd[i].v[j]);
-            const float gd = dy * ToFloat(gp[i].v[j]);
-            s1 += gd;
-            s2 += gd * xh;
-            dg[i][j] += dy * xh;
-            db[i][j] += dy;
+            for (int j = 0; j < VEC; ++j) o[j] += d[j];
           }
-        }
-      }
-      RowSum2(s1, s2, scratch);
-      s1 *= inv_h;
-      s2 *= inv_h;
-      if (valid) {
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-          const int col = (i * blockDim.x + threadIdx.x) * VEC;
-          if (col < H) {
-            float o[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-              const float xh = (ToFloat(px[i].v[j]) - mean) * rstd;
-              o[j] = rstd * (ToFloat(pd[i].v[j]) * ToFloat(gp[i].v[j]) - s1 - xh * s2);
-              if constexpr (kDs) o[j] += ToFloat(ps[i].v[j]);
-            }
-            if constexpr (RES && !kDs) {
-              float d[VEC];
-              LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, d);
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) o[j] += d[j];
-            }
-            StoreFloats<T, VEC>(static_cast<T*>(a.dx) + off + col, o);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        px[i] = qx[i];
-        pd[i] = qd[i];
-        if constexpr (kDs) ps[i] = qs[i];
-      }
-      mean = qmean;
-      rstd = qrstd;
-    }
-  } else {
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows;
-         base += (int64_t)gridDim.x * blockDim.y) {
-      const int64_t row = base + threadIdx.y;
-      const bool valid = row < a.rows;
-      const int64_t off = (valid ? row : 0) * a.hidden;
-      const float mean = valid ? a.mean[row] : 0.f;
-      const float rstd = valid ? a.rstd[row] : 0.f;
-      constexpr bool kEarly = RES && EARLY;
-      float xh[ITEMS][VEC], dy[ITEMS][VEC], ds[kEarly ? ITEMS : 1][VEC];
-      float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        const int col = (i * blockDim.x + threadIdx.x) * VEC;
-        if (valid && col < H) {
-          LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
-          LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + off + col, dy[i]);
-          if constexpr (kEarly) LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, ds[i]);
-          if constexpr (MORE > 0) {
-            float more[MORE][VEC];
-#pragma unroll
-            for (int m = 0; m < MORE; ++m) LoadFloats<T, VEC>(static_cast<const T*>(a.dy_more[m]) + off + col, more[m]);
-#pragma unroll
-            for (int m = 0; m < MORE; ++m)
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) dy[i][j] += more[m][j];
-          }
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            xh[i][j] = (xh[i][j] - mean) * rstd;
-            const float gd = dy[i][j] * gam[i][j];
-            s1 += gd;
-            s2 += gd * xh[i][j];
-            dg[i][j] += dy[i][j] * xh[i][j];
-            db[i][j] += dy[i][j];
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) xh[i][j] = dy[i][j] = 0.f;
-        }
-      }
-      RowSum2(s1, s2, scratch);
-      s1 *= inv_h;
-      s2 *= inv_h;
-      if (valid) {
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-          const int col = (i * blockDim.x + threadIdx.x) * VEC;
-          if (col < H) {
-            float o[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] * gam[i][j] - s1 - xh[i][j] * s2);
-            if constexpr (kEarly) {
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) o[j] += ds[i][j];
-            } else if constexpr (RES) {
-              float d[VEC];
-              LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, d);
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) o[j] += d[j];
-            }
-            StoreFloats<T, VEC>(static_cast<T*>(a.dx) + off + col, o);
-          }
+          StoreFloats<T, VEC>(static_cast<T*>(a.dx) + off + col, o);
         }
       }
     }
-
   }
 
   // Fold the row groups' partial sums in a fixed order, then write this block's row.
@@ -562,9 +463,6 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
       default: k = PickBwdKernel<T, 3>(vec == kVec, res); break;
     }
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // (Not with the residual branch's gradient: its third pack spills ~100 bytes.)
-      if (vec == kVec && a.n_more == 0 && !res && elems == kBwdElems && GetKernelOption(kLayerNormBwdPrefetch) == 1)
-        k = LayerNormBwdKernel<T, kVec, false, kBwdElems, false, 0, true>;
       if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
       if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
     }
