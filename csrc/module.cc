@@ -23,7 +23,6 @@ PYBIND11_MODULE(_C, m) {
         {"dropout_full_grid", jax_ls2::kDropoutFullGrid},
         {"dropout_prefetch", jax_ls2::kDropoutPrefetch},
         {"softmax_elems", jax_ls2::kSoftmaxElems},
-        {"softmax_warp_rows", jax_ls2::kSoftmaxWarpRows},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},

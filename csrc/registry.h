@@ -36,8 +36,6 @@ enum KernelOption : int {
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing
                              // the current ones (bfloat16, 16-byte path; prefetching is the built-in choice)
-  kSoftmaxWarpRows,          // "softmax_warp_rows": 2 = the register kernels (4-warp rows) instead of the
-                             // warp-row ones at 513-2048 columns (16-bit, 16-byte path, no bias along k)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

@@ -245,122 +245,6 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kEle
   if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
 }
 
-// Element j of a pack as float, for the warp-row kernels' second pass: for bfloat16
-// by a byte permute instead of the shift the first pass compiles to. The value is the
-// same; the different instruction keeps ptxas from holding the first pass's floats
-// (64 registers more at 2048 columns, and spills) instead of converting again.
-template <typename T, int VEC>
-__device__ __forceinline__ float ToFloatAgain(const Pack<T, VEC>& pk, int j) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const uint32_t w = reinterpret_cast<const uint32_t*>(&pk)[j / 2];
-    return __uint_as_float(__byte_perm(w, 0u, (j & 1) ? 0x3244u : 0x1044u));
-  } else {
-    return ToFloat(pk.v[j]);
-  }
-}
-
-// Warp-row forward (16-bit, 16-byte accesses, no bias along k; k_len in (512, 2048]):
-// one warp per row, CH packs of VEC per lane held as loaded (CH * 4 registers). The
-// max and the sum of exp are taken in one pass with a running max (one rescale per
-// pack whose max is a new one) and merged across the warp by shuffles alone, so a row
-// costs no barrier; the output pass recomputes each logit and its exp from the packs.
-// Against the register kernel's 4-warp rows (16 elements a thread) this takes the
-// row's fixed costs (row setup, reductions, barriers) once per 32 lanes instead of
-// per 128 threads: the forward is issue-bound, and they were a third of its
-// instructions at 2048 columns (ncu, H200).
-constexpr int kWarpRowThreads = 128;
-template <typename T, typename BT, int VEC, int CH>
-__global__ void __launch_bounds__(kWarpRowThreads, CH > 4 ? 5 : 8) SoftmaxFwdWarpKernel(SoftmaxFwdArgs a) {
-  using PackT = Pack<T, VEC>;
-  const SoftmaxProblem& p = a.p;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = (int64_t)blockIdx.x * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
-  if (row >= p.rows) return;  // the whole warp: one row per warp
-  const Row r = RowSetup<BT>(p, row);
-  const T* x = static_cast<const T*>(p.x) + r.off;
-  const uint8_t* mrow = p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff : nullptr;
-  // 32-bit column arithmetic (k_len <= 2048).
-  const int attended = (int)(r.limit + 1);
-  // + 0 (kept: -0 + 0 is +0, so it is no identity to ptxas) makes scale a value
-  // computed once rather than one ptxas re-reads from the parameter bank per element.
-  float scale;
-  asm("add.f32 %0, %1, 0f00000000;" : "=f"(scale) : "f"(p.scale));
-  const float bconst = r.bconst;
-  PackT px[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < attended) px[c] = *reinterpret_cast<const PackT*>(x + col);
-  }
-  float m = -INFINITY, s = 0.f;
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < attended) {
-      const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
-      float v[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v[j] = ok[j] ? __fmaf_rn(ToFloat(px[c].v[j]), scale, bconst) : -INFINITY;
-      float cm = v[0];
-#pragma unroll
-      for (int j = 1; j < VEC; ++j) cm = fmaxf(cm, v[j]);
-      if (cm > m) {
-        s = m == -INFINITY ? 0.f : s * ExpShift<T>(m, cm);
-        m = cm;
-      }
-      if (m != -INFINITY) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) s += ExpShift<T>(v[j], m);
-      }
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    const float mm = fmaxf(m, m2);
-    s = (m == -INFINITY ? 0.f : s * ExpShift<T>(m, mm)) + (m2 == -INFINITY ? 0.f : s2 * ExpShift<T>(m2, mm));
-    m = mm;
-  }
-  const float mx = m == -INFINITY ? 0.f : m;  // fully masked: every exp is 0
-  const float inv = s > 0.f ? 1.f / s : 0.f;
-  const uint32_t thr = p.threshold;
-  const DropoutSeed seed = LoadSeed(p);
-  const float kept = inv * p.keep_scale;
-  T* y = static_cast<T*>(a.y) + r.off;
-  // Each exp as the backward recomputes it (ExpShift of the same logit), masked and
-  // dropped columns selected to 0 afterwards.
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < p.cols) {
-      float o[VEC];
-      if (col < attended) {
-        const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
-        if (thr != 0) {
-          bool keep[VEC];
-          KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float e = ExpShift<T>(__fmaf_rn(ToFloatAgain(px[c], j), scale, bconst), mx);
-            o[j] = ok[j] && keep[j] ? e * kept : 0.f;
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float e = ExpShift<T>(__fmaf_rn(ToFloatAgain(px[c], j), scale, bconst), mx);
-            o[j] = ok[j] ? e * inv : 0.f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] = 0.f;
-      }
-      StoreFloats<T, VEC>(y + col, o);
-    }
-  }
-  if (lane == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
-}
-
 template <typename T, typename BT, int VEC>
 __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdArgs a) {
   __shared__ float scratch[32];
@@ -467,94 +351,6 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
       float o[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = gs * pv[i][j] * (g[i][j] - acc);
-      StoreFloats<T, VEC>(dx + col, o);
-    }
-  }
-}
-
-// Warp-row backward, where the warp-row forward runs: x and dy of the row held as
-// loaded packs; the first pass recomputes p, applies the regenerated keep mask to dy
-// and sums g * p, keeping the keep flags (a byte per pack) so the second pass, which
-// recomputes p for dx, does not hash again.
-template <typename T, typename BT, int VEC, int CH>
-__global__ void __launch_bounds__(kWarpRowThreads, CH > 4 ? 4 : 6) SoftmaxBwdWarpKernel(SoftmaxBwdArgs a) {
-  static_assert(VEC == 8, "a byte of keep flags per pack");
-  using PackT = Pack<T, VEC>;
-  const SoftmaxProblem& p = a.p;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = (int64_t)blockIdx.x * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
-  if (row >= p.rows) return;  // the whole warp
-  const Row r = RowSetup<BT>(p, row);
-  const float2 st = reinterpret_cast<const float2*>(p.stats)[row];
-  const uint8_t* mrow = p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff : nullptr;
-  const int attended = (int)(r.limit + 1);
-  float scale;  // see SoftmaxFwdWarpKernel
-  asm("add.f32 %0, %1, 0f00000000;" : "=f"(scale) : "f"(p.scale));
-  const float bconst = r.bconst;
-  const T* x = static_cast<const T*>(p.x) + r.off;
-  const T* dyp = static_cast<const T*>(a.dy) + r.off;
-  PackT px[CH], pd[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < attended) {
-      px[c] = *reinterpret_cast<const PackT*>(x + col);
-      pd[c] = *reinterpret_cast<const PackT*>(dyp + col);
-    }
-  }
-  const uint32_t thr = p.threshold;
-  const DropoutSeed seed = LoadSeed(p);
-  const float ks = p.keep_scale;
-  uint32_t kbits[(CH + 3) / 4];
-#pragma unroll
-  for (int w = 0; w < (CH + 3) / 4; ++w) kbits[w] = 0xffffffffu;
-  auto prob = [&](bool ok, float xj) {
-    return ok ? ExpShift<T>(__fmaf_rn(xj, scale, bconst), st.x) * st.y : 0.f;
-  };
-  float acc = 0.f;
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < attended) {
-      const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
-      if (thr != 0) {
-        bool keep[VEC];
-        KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
-        uint32_t kb = 0;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          kb |= (keep[j] ? 1u : 0u) << j;
-          acc += (keep[j] ? ToFloat(pd[c].v[j]) * ks : 0.f) * prob(ok[j], ToFloat(px[c].v[j]));
-        }
-        kbits[c / 4] &= ~(0xffu << (8 * (c % 4))) | (kb << (8 * (c % 4)));
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc += ToFloat(pd[c].v[j]) * prob(ok[j], ToFloat(px[c].v[j]));
-      }
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  T* dx = static_cast<T*>(a.dx) + r.off;
-  const float gs = a.grad_scale;
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = (c * 32 + lane) * VEC;
-    if (col < p.cols) {
-      float o[VEC];
-      if (col < attended) {
-        const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(attended - col, mrow != nullptr ? mrow + col : nullptr);
-        const uint32_t kb = kbits[c / 4] >> (8 * (c % 4));
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          float g = ToFloatAgain(pd[c], j);
-          if (thr != 0) g = (kb >> j) & 1u ? g * ks : 0.f;
-          o[j] = gs * prob(ok[j], ToFloatAgain(px[c], j)) * (g - acc);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] = gs * 0.f * (0.f - acc);
-      }
       StoreFloats<T, VEC>(dx + col, o);
     }
   }
@@ -671,60 +467,15 @@ cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t st
   return Launch(a, tpr, k.first, k.second, stream);
 }
 
-// Whether the warp-row kernels take the problem: 16-bit scores with 16-byte accesses,
-// no bias along k, 513-2048 columns, and the launch option softmax_warp_rows not 2
-// (the register kernels).
-template <typename T>
-bool WarpRowsApply(const SoftmaxProblem& p, int vec) {
-  return vec == kPack<T> && (p.bias == nullptr || p.bias_k == 0) && p.cols > 512 && p.cols <= 64 * kPack<T> * 4 &&
-         GetKernelOption(kSoftmaxWarpRows) != 2;
-}
-
-// The warp-row forward where it applies (see SoftmaxFwdWarpKernel).
-template <typename T, typename BT>
-bool LaunchFwdWarpRows(const SoftmaxFwdArgs& a, int vec, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, float>) {
-    return false;
-  } else {
-    constexpr int kVec = kPack<T>;
-    if (!WarpRowsApply<T>(a.p, vec)) return false;
-    const unsigned grid = (unsigned)((a.p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
-    if (a.p.cols <= 32 * kVec * 4)
-      SoftmaxFwdWarpKernel<T, BT, kVec, 4><<<grid, kWarpRowThreads, 0, stream>>>(a);
-    else
-      SoftmaxFwdWarpKernel<T, BT, kVec, 8><<<grid, kWarpRowThreads, 0, stream>>>(a);
-    return true;
-  }
-}
-
 template <typename T, typename BT>
 cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
-  if (LaunchFwdWarpRows<T, BT>(a, PickVec<T>(a.p, a.y, nullptr), stream)) return cudaGetLastError();
   return LaunchTyped<T>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items(), biask()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
   }, stream);
 }
 
-// The warp-row backward wherever the warp-row forward runs.
-template <typename T, typename BT>
-bool LaunchBwdWarpRows(const SoftmaxBwdArgs& a, int vec, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, float>) {
-    return false;
-  } else {
-    constexpr int kVec = kPack<T>;
-    if (!WarpRowsApply<T>(a.p, vec)) return false;
-    const unsigned grid = (unsigned)((a.p.rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
-    if (a.p.cols <= 32 * kVec * 4)
-      SoftmaxBwdWarpKernel<T, BT, kVec, 4><<<grid, kWarpRowThreads, 0, stream>>>(a);
-    else
-      SoftmaxBwdWarpKernel<T, BT, kVec, 8><<<grid, kWarpRowThreads, 0, stream>>>(a);
-    return true;
-  }
-}
-
 template <typename T, typename BT>
 cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
-  if (LaunchBwdWarpRows<T, BT>(a, PickVec<T>(a.p, a.dy, a.dx), stream)) return cudaGetLastError();
   return LaunchTyped<T>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items(), biask()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
   }, stream);
