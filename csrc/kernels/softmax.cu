@@ -66,8 +66,8 @@ struct ColumnFlags {
 };
 
 // attended: columns from col on that are <= the row's limit (>= 1).
-template <int VEC, typename I>
-__device__ __forceinline__ ColumnFlags<VEC> LoadColumnFlags(I attended, const uint8_t* m) {
+template <int VEC>
+__device__ __forceinline__ ColumnFlags<VEC> LoadColumnFlags(int64_t attended, const uint8_t* m) {
   ColumnFlags<VEC> f;
   const int att = (int)(attended < VEC ? attended : VEC);
 #pragma unroll
