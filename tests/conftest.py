@@ -22,6 +22,9 @@ def _have_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The long training runs (marker `slow`) first, so that with several xdist workers
+    # the short tests fill in around them instead of one long run finishing last.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and the compiled jax_ls2 CUDA kernels")

@@ -3,6 +3,8 @@ its CSVs, the three precision modes, and that fp32_master learns."""
 import csv
 import math
 
+import pytest
+
 from bench import bench_sr_convergence as B
 
 MODES = {"fp32_master", "bf16_sr", "bf16_nearest"}
@@ -13,6 +15,7 @@ def _read(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_small_run_writes_both_csvs(tmp_path, capsys):
     out = B.main(["--small", "--out", str(tmp_path), "--log-every", "0"])
     printed = capsys.readouterr().out

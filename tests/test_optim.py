@@ -568,6 +568,7 @@ def _train_mlp(tx, dtype, steps=300):
     return float(_mlp_loss(jax.tree.map(lambda p: p.astype(jnp.float32), params), x, y))
 
 
+@pytest.mark.slow
 def test_no_master_bf16_stochastic_rounding_converges_like_fp32_master():
     """300 AdamW steps: bf16 params without master weights (fp32 moments, stochastic
     rounding) end within 3% of the loss of bf16 params with fp32 master weights (measured:
@@ -608,6 +609,7 @@ def _train_tiny_gpt(tx, param_dtype, steps=300):
     return float(np.mean([evaluate(params, batch(1, s)) for s in range(8)]))
 
 
+@pytest.mark.slow
 def test_tiny_gpt_no_master_bf16_with_stochastic_rounding_ends_within_1pct_of_master():
     """300 AdamW steps of a small real model (measured on the CPU reference: fp32-master
     2.6293, no-master bf16 + stochastic rounding 2.6209 (-0.32%), round-to-nearest 2.6637

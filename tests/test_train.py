@@ -28,6 +28,7 @@ def test_train_command_and_compare(capsys):
     assert len(first["losses"]) == 4 and np.all(np.isfinite(first["losses"]))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_for_bit(tmp_path):
     base = ["--model", "bert", "--steps", "6", "--batch", "2", "--seq", "16", "--dropout", "0.1"]
     straight = _losses(base, "ls2")
@@ -49,6 +50,7 @@ def _converge(family, steps, dtype="float32", dropout=0.0, batch=4):
     return ours, twin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", fm.FAMILIES)
 def test_convergence_fp32_every_step(family):
     ours, twin = _converge(family, 100)
