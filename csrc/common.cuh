@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -111,11 +112,28 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 constexpr int kPack = 16 / sizeof(T);  // elements per 16-byte access
 
+// The N elements of a pack (taken by value: one wide load) as floats. bfloat16 pairs are read as 32-bit words: the
+// lower element is the word shifted left by 16, the upper one the word with its low
+// half cleared (one instruction each; converting element by element costs a byte
+// permute more for every upper element).
+template <typename T, int N>
+__device__ __forceinline__ void UnpackFloats(const Pack<T, N> pk, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const uint32_t w = reinterpret_cast<const uint32_t*>(pk.v)[i / 2];
+      out[i] = __uint_as_float(w << 16);
+      out[i + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = ToFloat(pk.v[i]);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void LoadFloats(const T* p, float (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = ToFloat(pk.v[i]);
+  UnpackFloats(*reinterpret_cast<const Pack<T, N>*>(p), out);
 }
 template <typename T, int N>
 __device__ __forceinline__ void StoreFloats(T* p, const float (&in)[N]) {
@@ -219,19 +237,26 @@ __device__ __forceinline__ bool DropoutKeep(uint32_t g, const DropoutSeed& s, ui
   const uint32_t h = DropoutHash(g & ~1u, s.k0, s.k1);
   return (g & 1u) ? KeepHigh(h, threshold << 16) : KeepLow(h, threshold << 16);
 }
+// Keep flags of elements g0 .. g0 + VEC - 1 for even g0 and VEC (one hash per pair);
+// thr16 = threshold << 16.
+template <int VEC>
+__device__ __forceinline__ void KeepPairs(uint32_t g0, const DropoutSeed& s, uint32_t thr16, bool (&keep)[VEC]) {
+  static_assert(VEC % 2 == 0, "pairs");
+#pragma unroll
+  for (int k = 0; k < VEC / 2; ++k) {
+    const uint32_t h = DropoutHash(g0 + 2u * k, s.k0, s.k1);
+    keep[2 * k] = KeepLow(h, thr16);
+    keep[2 * k + 1] = KeepHigh(h, thr16);
+  }
+}
 // Keep flags of elements g0 .. g0 + VEC - 1; one hash per pair when g0 is even.
 template <int VEC>
 __device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
                                         bool (&keep)[VEC]) {
-  if (VEC % 2 == 0 && (g0 & 1u) == 0u) {
-    const uint32_t thr16 = threshold << 16;
-#pragma unroll
-    for (int k = 0; k < VEC / 2; ++k) {
-      const uint32_t h = DropoutHash(g0 + 2u * k, s.k0, s.k1);
-      keep[2 * k] = KeepLow(h, thr16);
-      keep[2 * k + 1] = KeepHigh(h, thr16);
-    }
-  } else {
+  if constexpr (VEC % 2 == 0) {
+    if ((g0 & 1u) == 0u) return KeepPairs<VEC>(g0, s, threshold << 16, keep);
+  }
+  {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
   }
