@@ -85,7 +85,7 @@ def main():
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default="bfloat16,float16")
     p.add_argument("--shapes", default="", help="e.g. '32x12x512x512,4x32x2048x2048' (default: both)")
-    p.add_argument("--variants", default="", help='kernel options timed beside the default, e.g. "softmax_elems=32"')
+    p.add_argument("--variants", default="", help='kernel options timed beside the default, e.g. "softmax_elems=16"')
     a = p.parse_args()
     VARIANTS.extend(parse_variants(a.variants))
     shapes = SHAPES if not a.shapes else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]

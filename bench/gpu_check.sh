@@ -118,7 +118,7 @@ for step in $STEPS; do
                      --variants ${DROPOUT_VARIANTS:-dropout_rows_in_flight=4} ;;
           optim) run_sweep optim bench_optim --parts ${OPTIM_PARTS:-update} ;;
           softmax) run_sweep softmax bench_softmax --dtypes bfloat16 --reps 30 \
-                     --variants ${SOFTMAX_VARIANTS:-softmax_elems=32} ;;
+                     --variants ${SOFTMAX_VARIANTS:-softmax_elems=16} ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
                             --only layer_norm:bwd,layer_norm_return_input:bwd \
                             --variants layer_norm_bwd_elems=16,layer_norm_bwd_elems=32 ;;

@@ -30,7 +30,7 @@ struct Registrar {
 enum KernelOption : int {
   kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
-  kSoftmaxElems,             // "softmax_elems": 32 elements per thread (bfloat16, 16-byte path)
+  kSoftmaxElems,             // "softmax_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)

@@ -26,7 +26,11 @@
 namespace jax_ls2 {
 namespace {
 
-constexpr int kElemsPerThread = 16;
+constexpr int kElemsPerThread = 16;  // the scalar path, fp32 and the backward
+// The forward of 16-bit vector rows holds 32 elements per thread: its per-thread work
+// (row setup, two reductions, the reciprocal) is then spread over twice the elements.
+template <typename T>
+constexpr int kFwdVecElems = sizeof(T) == 2 ? 32 : kElemsPerThread;
 constexpr int kMaxRowThreads = 512;  // register path: k_len <= 512 * 16
 constexpr int kLoopThreads = 512;
 
@@ -48,9 +52,10 @@ __device__ __forceinline__ void LoadVec(const T* p, float (&out)[VEC]) {
   constexpr int C = (VEC * (int)sizeof(T) > 16) ? 16 / (int)sizeof(T) : VEC;
 #pragma unroll
   for (int c = 0; c < VEC; c += C) {
-    const Pack<T, C> pk = *reinterpret_cast<const Pack<T, C>*>(p + c);
+    float part[C];
+    UnpackFloats(*reinterpret_cast<const Pack<T, C>*>(p + c), part);
 #pragma unroll
-    for (int i = 0; i < C; ++i) out[c + i] = ToFloat(pk.v[i]);
+    for (int i = 0; i < C; ++i) out[c + i] = part[i];
   }
 }
 
@@ -65,18 +70,19 @@ struct ColumnFlags {
   __device__ __forceinline__ bool operator[](int j) const { return (w[j / 4] >> (8 * (j % 4))) & 0xffu; }
 };
 
-// attended: columns from col on that are <= the row's limit (>= 1).
+// attended: columns from col on that are <= the row's limit (larger than VEC counts as
+// VEC, <= 0 as none). m: the mask bytes of these columns, read when masked.
 template <int VEC>
-__device__ __forceinline__ ColumnFlags<VEC> LoadColumnFlags(int64_t attended, const uint8_t* m) {
+__device__ __forceinline__ ColumnFlags<VEC> LoadColumnFlags(int attended, const uint8_t* m, bool masked) {
   ColumnFlags<VEC> f;
-  const int att = (int)(attended < VEC ? attended : VEC);
+  const int att = min(attended, VEC);
 #pragma unroll
   for (int c = 0; c < f.kWords; ++c) {
     // The low 8n bits for the n = clamp(att - 4c, 0, 4) attended columns of this word
     // (a clamping funnel shift: 32 and more give all ones).
     const int n = max(att - 4 * c, 0);
     f.w[c] = __funnelshift_lc(0xffffffffu, 0u, 8 * (uint32_t)n);
-    if (m != nullptr) {
+    if (masked) {
       if constexpr (VEC == 1) {
         f.w[c] &= m[0];
       } else if constexpr (VEC == 2) {
@@ -143,10 +149,63 @@ __device__ __forceinline__ void LoadLogits(const SoftmaxProblem& p, const Row& r
 #pragma unroll
     for (int j = 0; j < VEC; ++j) b[j] = r.bconst;
   }
-  const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(
-      r.limit - col + 1, p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff + col : nullptr);
+  const bool masked = p.mask != nullptr && p.mask_k != 0;
+  const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>((int)(r.limit - col + 1 < VEC ? r.limit - col + 1 : VEC),
+                                                   p.mask + (masked ? r.moff + col : 0), masked);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) v[j] = ok[j] ? __fmaf_rn(v[j], p.scale, b[j]) : -INFINITY;
+}
+
+// The register kernels' view of a row: base pointers and the limit in 32 bits (k_len
+// <= 8192 there), so per-element addressing and the limit tests stay 32-bit.
+template <typename T, typename BT>
+struct RegRow {
+  const T* x;          // the row's scores
+  const BT* bias;      // the row's bias along k, nullptr when there is none
+  const uint8_t* mask; // the row's mask along k, nullptr when there is none
+  int limit;           // last attended column, -1 when none (or the row is past the end)
+  float bconst;        // the row's bias when it is not along k (0 without bias)
+  uint32_t g;          // dropout index of the row's first element
+};
+
+template <typename T, typename BT, bool BIASK>
+__device__ __forceinline__ RegRow<T, BT> RegRowSetup(const SoftmaxProblem& p, int64_t row, bool valid,
+                                                     const DropoutSeed& seed) {
+  const Row r = RowSetup<BT>(p, valid ? row : 0);
+  RegRow<T, BT> rr;
+  rr.x = static_cast<const T*>(p.x) + r.off;
+  rr.bias = BIASK && p.bias != nullptr && p.bias_k != 0 ? static_cast<const BT*>(p.bias) + r.boff : nullptr;
+  rr.mask = p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff : nullptr;
+  rr.limit = valid ? (int)r.limit : -1;
+  rr.bconst = r.bconst;
+  rr.g = (uint32_t)r.off + seed.offset;
+  return rr;
+}
+
+// Logits of columns col .. col + VEC - 1 of a register-kernel row, -inf where masked
+// or past the row's limit (any col). The loads read from at = min(col, k_len - VEC),
+// always inside the row, and the flags discard what lies past the limit: no branch,
+// and masked columns cost a select rather than a predicated multiply-add and a fill.
+template <typename T, typename BT, int VEC, bool BIASK>
+__device__ __forceinline__ void RegLogits(const RegRow<T, BT>& rr, int col, uint32_t at, float scale,
+                                          float (&v)[VEC]) {
+  LoadVec<T, VEC>(rr.x + at, v);
+  const ColumnFlags<VEC> ok = LoadColumnFlags<VEC>(rr.limit - col + 1, rr.mask + at, rr.mask != nullptr);
+  if (BIASK && rr.bias != nullptr) {
+    float b[VEC];
+    LoadVec<BT, VEC>(rr.bias + at, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float t = __fmaf_rn(v[j], scale, b[j]);
+      v[j] = ok[j] ? t : -INFINITY;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float t = __fmaf_rn(v[j], scale, rr.bconst);
+      v[j] = ok[j] ? t : -INFINITY;
+    }
+  }
 }
 
 __device__ __forceinline__ DropoutSeed LoadSeed(const SoftmaxProblem& p) {
@@ -184,28 +243,27 @@ __device__ __forceinline__ float RowReduce(float v, float* scratch) {
 // Vectorised: <= 40 registers (no spills), so 6 blocks of 256 threads fit an SM and
 // more loads are in flight.
 template <typename T, typename BT, int VEC, int ITEMS, bool BIASK = true>
-__global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kElemsPerThread ? 3 : 1)
+__global__ void __launch_bounds__(kMaxRowThreads, VEC == 1 ? 1 : sizeof(T) == 2 && ITEMS * VEC <= kElemsPerThread ? 3 : 2)
     SoftmaxFwdKernel(SoftmaxFwdArgs a) {
   __shared__ float scratch[32 * 32];
   const SoftmaxProblem& p = a.p;
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < p.rows;
-  Row r = RowSetup<BT>(p, valid ? row : 0);
-  if (!valid) r.limit = -1;
+  const DropoutSeed seed = LoadSeed(p);
+  const RegRow<T, BT> rr = RegRowSetup<T, BT, BIASK>(p, row, valid, seed);
+  const float scale = p.scale;
+  const int c0 = threadIdx.x * VEC, cstep = blockDim.x * VEC;
+
+  const int cols = (int)p.cols;
 
   float v[ITEMS][VEC];
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
-    if (col <= r.limit) {
-      LoadLogits<T, BT, VEC, BIASK>(p, r, col, v[i]);
+    const int col = c0 + i * cstep;
+    RegLogits<T, BT, VEC, BIASK>(rr, col, (uint32_t)min(col, cols - VEC), scale, v[i]);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[i][j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v[i][j] = -INFINITY;
-    }
+    for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[i][j]);
   }
   mx = RowReduce<true>(mx, scratch);
   if (mx == -INFINITY) mx = 0.f;  // fully masked: every exp is 0
@@ -222,25 +280,44 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC > 1 && ITEMS * VEC <= kEle
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   if (!valid) return;
   const uint32_t thr = p.threshold;
-  const DropoutSeed seed = LoadSeed(p);
   const float kept = inv * p.keep_scale;
-  T* y = static_cast<T*>(a.y) + r.off;
+  T* y = static_cast<T*>(a.y) + (rr.x - static_cast<const T*>(p.x));
+  // Three copies of the store loop, the choice made once per thread: no dropout, the
+  // row's dropout indices even (one hash per pair, the usual case), or any.
+  auto store = [&](auto keep_of) {
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
-    if (col < p.cols) {
-      float o[VEC];
-      if (thr != 0) {
+    for (int i = 0; i < ITEMS; ++i) {
+      const int col = c0 + i * cstep;
+      if (col < cols) {
         bool keep[VEC];
-        KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
+        keep_of(rr.g + (uint32_t)col, keep);
+        float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = keep[j] ? v[i][j] * kept : 0.f;
-      } else {
+        StoreFloats<T, VEC>(y + col, o);
+      }
+    }
+  };
+  if (thr == 0) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int col = c0 + i * cstep;
+      if (col < cols) {
+        float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = v[i][j] * inv;
+        StoreFloats<T, VEC>(y + col, o);
       }
-      StoreFloats<T, VEC>(y + col, o);
     }
+  } else if constexpr (VEC % 2 == 0) {
+    if ((rr.g & 1u) == 0u) {
+      const uint32_t thr16 = thr << 16;
+      store([&](uint32_t g, bool (&keep)[VEC]) { KeepPairs<VEC>(g, seed, thr16, keep); });
+    } else {
+      store([&](uint32_t g, bool (&keep)[VEC]) { KeepVec<VEC>(g, seed, thr, keep); });
+    }
+  } else {
+    store([&](uint32_t g, bool (&keep)[VEC]) { KeepVec<VEC>(g, seed, thr, keep); });
   }
   if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
 }
@@ -321,33 +398,69 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
   const SoftmaxProblem& p = a.p;
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < p.rows;
-  Row r = RowSetup<BT>(p, valid ? row : 0);
-  if (!valid) r.limit = -1;
-  const float2 st = valid ? reinterpret_cast<const float2*>(p.stats)[row] : make_float2(0.f, 0.f);
   const DropoutSeed seed = LoadSeed(p);
+  const RegRow<T, BT> rr = RegRowSetup<T, BT, BIASK>(p, row, valid, seed);
+  const float2 st = valid ? reinterpret_cast<const float2*>(p.stats)[row] : make_float2(0.f, 0.f);
+  const int64_t row_off = rr.x - static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(a.dy) + row_off;
+  const float scale = p.scale;
+  const int c0 = threadIdx.x * VEC, cstep = blockDim.x * VEC;
+  const int cols = (int)p.cols;
 
+  // p recomputed (0 past the limit), g = dy (0 past the limit, so an inf or NaN there
+  // cannot reach the sum).
   float pv[ITEMS][VEC], g[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = c0 + i * cstep;
+    const uint32_t at = (uint32_t)min(col, cols - VEC);
+    RegLogits<T, BT, VEC, BIASK>(rr, col, at, scale, pv[i]);
+    LoadVec<T, VEC>(dy + at, g[i]);
+    if (col > rr.limit) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) g[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) pv[i][j] = ExpShift<T>(pv[i][j], st.x) * st.y;
+  }
+  // Dropout on g, the choice made once per thread: the row's indices even (one hash
+  // per pair, the usual case) or any.
+  const uint32_t thr = p.threshold;
+  auto drop = [&](auto keep_of) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      bool keep[VEC];
+      keep_of(rr.g + (uint32_t)(c0 + i * cstep), keep);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) g[i][j] = keep[j] ? g[i][j] * p.keep_scale : 0.f;
+    }
+  };
+  if (thr != 0) {
+    if constexpr (VEC % 2 == 0) {
+      if ((rr.g & 1u) == 0u) {
+        const uint32_t thr16 = thr << 16;
+        drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepPairs<VEC>(gi, seed, thr16, keep); });
+      } else {
+        drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepVec<VEC>(gi, seed, thr, keep); });
+      }
+    } else {
+      drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepVec<VEC>(gi, seed, thr, keep); });
+    }
+  }
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
-    if (col <= r.limit) {
-      LoadPG<T, BT, VEC, BIASK>(a, r, col, st, seed, pv[i], g[i]);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc += g[i][j] * pv[i][j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) pv[i][j] = g[i][j] = 0.f;
-    }
+    for (int j = 0; j < VEC; ++j) acc = fmaf(g[i][j], pv[i][j], acc);
   }
   acc = RowReduce<false>(acc, scratch);
   if (!valid) return;
-  T* dx = static_cast<T*>(a.dx) + r.off;
+  T* dx = static_cast<T*>(a.dx) + row_off;
   const float gs = a.grad_scale;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int64_t col = (int64_t)(i * blockDim.x + threadIdx.x) * VEC;
-    if (col < p.cols) {
+    const int col = c0 + i * cstep;
+    if (col < cols) {
       float o[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = gs * pv[i][j] * (g[i][j] - acc);
@@ -404,17 +517,18 @@ int PickVec(const SoftmaxProblem& p, const void* a, const void* b) {
   return kVec;
 }
 
-// Elements per thread of the register path: 16, or 32 where a benchmark asks for it
-// (kSoftmaxElems; bfloat16 with 16-byte accesses, the variant compiled for it).
-template <typename T>
-int ElemsFor(int vec) {
-  return std::is_same_v<T, __nv_bfloat16> && vec == kPack<T> && GetKernelOption(kSoftmaxElems) == 32
-             ? 2 * kElemsPerThread
-             : kElemsPerThread;
+// Elements per thread of the 16-byte register path: the default (kDefault), or the
+// other of 16 / 32 where a benchmark asks for it with softmax_elems (bfloat16 only).
+template <typename T, int kDefault>
+int VecElems() {
+  const int opt = GetKernelOption(kSoftmaxElems);
+  return std::is_same_v<T, __nv_bfloat16> && (opt == 16 || opt == 32) ? opt : kDefault;
 }
 
-// Threads per row for the register path (a power of two), 0 when the row is too long.
+// Threads per row for the register path (a power of two), 0 when the row is too long
+// (k_len > 8192 takes the looped kernels whatever the element count).
 int ThreadsPerRow(int64_t cols, int vec, int elems) {
+  if (cols > (int64_t)kMaxRowThreads * kElemsPerThread) return 0;
   const int64_t vecs = (cols + vec - 1) / vec;
   const int items = elems / vec;
   const int64_t need = (vecs + items - 1) / items;
@@ -438,45 +552,47 @@ cudaError_t Launch(const Args& a, int tpr, RegK reg, LoopK loop, cudaStream_t st
 // Picks elements per thread and threads per row, then launches the register kernel
 // kernels(vec, items, biask).first or the looped kernel .second; vec, items and biask
 // come as std::integral_constant so one dispatch serves the forward and the backward.
-// The default 16-byte register kernel is also compiled without the bias-along-k path
-// (biask = false), taken when the problem has no such bias.
-template <typename T, typename Args, typename Kernels>
+// The 16-byte register kernel with kVecElems elements per thread is also compiled
+// without the bias-along-k path (biask = false), taken when the problem has no such
+// bias; the other element count (bfloat16, on request) only with it.
+template <typename T, int kVecElems, typename Args, typename Kernels>
 cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t stream) {
   using std::integral_constant;
   constexpr int kVec = kPack<T>;
   using Generic = std::true_type;
-  const int elems = ElemsFor<T>(vec);
-  const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (elems != kElemsPerThread) {
-      const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, 2 * kElemsPerThread / kVec>{},
-                             Generic{});
-      return Launch(a, tpr, k.first, k.second, stream);
-    }
-  }
-  if (vec == kVec) {
-    using Items = integral_constant<int, kElemsPerThread / kVec>;
-    if (a.p.bias == nullptr || a.p.bias_k == 0) {
-      const auto k = kernels(integral_constant<int, kVec>{}, Items{}, std::false_type{});
-      return Launch(a, tpr, k.first, k.second, stream);
-    }
-    const auto k = kernels(integral_constant<int, kVec>{}, Items{}, Generic{});
+  if (vec != kVec) {
+    const int tpr = ThreadsPerRow(a.p.cols, 1, kElemsPerThread);
+    const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{}, Generic{});
     return Launch(a, tpr, k.first, k.second, stream);
   }
-  const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{}, Generic{});
+  const int elems = VecElems<T, kVecElems>();
+  const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    constexpr int kOther = kVecElems == 32 ? 16 : 32;
+    if (elems == kOther) {
+      const auto k = kernels(integral_constant<int, kVec>{}, integral_constant<int, kOther / kVec>{}, Generic{});
+      return Launch(a, tpr, k.first, k.second, stream);
+    }
+  }
+  using Items = integral_constant<int, kVecElems / kVec>;
+  if (a.p.bias == nullptr || a.p.bias_k == 0) {
+    const auto k = kernels(integral_constant<int, kVec>{}, Items{}, std::false_type{});
+    return Launch(a, tpr, k.first, k.second, stream);
+  }
+  const auto k = kernels(integral_constant<int, kVec>{}, Items{}, Generic{});
   return Launch(a, tpr, k.first, k.second, stream);
 }
 
 template <typename T, typename BT>
 cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
-  return LaunchTyped<T>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items, auto biask) {
+  return LaunchTyped<T, kFwdVecElems<T>>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items(), biask()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
   }, stream);
 }
 
 template <typename T, typename BT>
 cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
-  return LaunchTyped<T>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items, auto biask) {
+  return LaunchTyped<T, kElemsPerThread>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items(), biask()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
   }, stream);
 }
