@@ -54,32 +54,30 @@ constexpr int PrefetchMinBlocks(int kind, int rows) {
   return (kind == kBdrBwd && rows <= 2) || kind == kActFwd || rows == 1 ? 2 : 1;
 }
 
-// erf(x) within 6e-7 absolute in float32 arithmetic (Abramowitz & Stegun 7.1.26),
-// branch-free, about 14 instructions against erff's ~30 in two divergent branches,
-// given e = exp(-x^2) (the GELU backward shares it with the normal density).
-// Used for bfloat16 activations, whose rounding (2^-8 relative) dwarfs it even in
-// GELU's negative tail, where 1 + erf is small; float32 and float16 keep erff.
-__device__ __forceinline__ float ErfFastGivenExp(float x, float e) {
-  const float a = fabsf(x);
-  const float t = RcpApprox(fmaf(0.3275911f, a, 1.f));
-  float p = fmaf(1.061405429f, t, -1.453152027f);
-  p = fmaf(p, t, 1.421413741f);
-  p = fmaf(p, t, -0.284496736f);
-  p = fmaf(p, t, 0.254829592f);
-  return copysignf(1.f - p * t * e, x);
+// The normal distribution's tail for the exact GELU on bfloat16 activations:
+//   h = 0.5 * erfc(|v| / sqrt 2) = min(Phi(v), 1 - Phi(v)),  e = exp(-v^2 / 2),
+// by Abramowitz & Stegun 7.1.26 (erfc(a) ~ t * poly(t) * exp(-a^2), t = 1 / (1 +
+// 0.3275911 a), within 1.5e-7 absolute), branch-free: the hardware exp2 and reciprocal,
+// five multiply-adds and two multiplies. Taking the tail itself rather than 1 - erf
+// keeps GELU's negative side free of cancellation; its error is far below bfloat16's
+// rounding (2^-8 relative). float32 and float16 keep erff.
+struct NormalTail {
+  float h, e;
+};
+__device__ __forceinline__ NormalTail NormalTailOf(float v) {
+  constexpr float kHalf = 0.5f, kA = 0.3275911f * 0.70710678118654752f;
+  const float e = Exp2Approx((v * (-0.5f * kLog2e)) * v);
+  const float t = RcpApprox(fmaf(kA, fabsf(v), 1.f));
+  float p = fmaf(kHalf * 1.061405429f, t, kHalf * -1.453152027f);
+  p = fmaf(p, t, kHalf * 1.421413741f);
+  p = fmaf(p, t, kHalf * -0.284496736f);
+  p = fmaf(p, t, kHalf * 0.254829592f);
+  return NormalTail{p * t * e, e};
 }
+// Phi(v) from its tail.
+__device__ __forceinline__ float NormalCdf(float v, const NormalTail& n) { return v >= 0.f ? 1.f - n.h : n.h; }
 
 __device__ __forceinline__ float ExpApprox(float x) { return Exp2Approx(x * kLog2e); }
-__device__ __forceinline__ float ErfFast(float x) { return ErfFastGivenExp(x, ExpApprox(-x * x)); }
-
-template <typename T>
-__device__ __forceinline__ float Erf(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return ErfFast(x);
-  } else {
-    return erff(x);
-  }
-}
 
 // 0.5 * (1 + tanh(u)) for the tanh-approximated GELU, as the logistic function of 2u:
 // for bfloat16 by the hardware exp2 and reciprocal (about 5 instructions against tanhf's
@@ -100,7 +98,11 @@ __device__ __forceinline__ float Act(float v) {
   if constexpr (ACT == kActRelu) {
     return fmaxf(v, 0.f);
   } else if constexpr (ACT == kActGelu) {
-    return 0.5f * v * (1.f + Erf<T>(v * 0.70710678118654752f));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return v * NormalCdf(v, NormalTailOf(v));
+    } else {
+      return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+    }
   } else {
     const float u = 0.79788456080286536f * (v + 0.044715f * v * v * v);
     return v * HalfOnePlusTanh<T>(u);
@@ -113,9 +115,9 @@ __device__ __forceinline__ float ActGrad(float v) {
     return v > 0.f ? 1.f : 0.f;
   } else if constexpr (ACT == kActGelu) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // One exp for both: erf(v / sqrt 2) needs exp(-v^2 / 2), as does the density.
-      const float e = ExpApprox(-0.5f * v * v);
-      return 0.5f * (1.f + ErfFastGivenExp(v * 0.70710678118654752f, e)) + v * (0.39894228040143268f * e);
+      // One exp for both: the tail needs exp(-v^2 / 2), as does the density.
+      const NormalTail n = NormalTailOf(v);
+      return fmaf(v * 0.39894228040143268f, n.e, NormalCdf(v, n));
     } else {
       const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
       return cdf + v * (0.39894228040143268f * expf(-0.5f * v * v));
@@ -222,12 +224,15 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
             const uint32_t g0 = s.offset + numbering.TakeAndAdvance(row) * (uint32_t)H + (uint32_t)col;
             KeepVec<VEC>(g0, s, a.threshold, keep);
           }
+          float f0[VEC], f1[VEC];
+          UnpackFloats(p0[u], f0);
+          if constexpr (kIn1) UnpackFloats(p1[u], f1);
           float o[VEC];
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             const bool kept = DROP ? keep[j] : true;
-            const float x0 = ToFloat(p0[u].v[j]);
-            const float x1 = kIn1 ? ToFloat(p1[u].v[j]) : 0.f;
+            const float x0 = f0[j];
+            const float x1 = kIn1 ? f1[j] : 0.f;
             float t;
             if constexpr (KIND == kBdrFwd) {
               t = __fadd_rn(x0, b[j]);
