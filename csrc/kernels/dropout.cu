@@ -54,8 +54,9 @@ constexpr int PrefetchMinBlocks(int kind, int rows) {
   return (kind == kBdrBwd && rows <= 2) || kind == kActFwd || rows == 1 ? 2 : 1;
 }
 
-// The normal distribution's tail for the exact GELU on bfloat16 activations:
-//   h = 0.5 * erfc(|v| / sqrt 2) = min(Phi(v), 1 - Phi(v)),  e = exp(-v^2 / 2),
+// The normal distribution's tail for the exact GELU on bfloat16 activations, times a
+// scale c (the dropout's 1 / kept fraction, folded in for free as log2 c in the exp2):
+//   h = c * 0.5 * erfc(|v| / sqrt 2) = c * min(Phi(v), 1 - Phi(v)),  e = c * exp(-v^2 / 2),
 // by Abramowitz & Stegun 7.1.26 (erfc(a) ~ t * poly(t) * exp(-a^2), t = 1 / (1 +
 // 0.3275911 a), within 1.5e-7 absolute), branch-free: the hardware exp2 and reciprocal,
 // five multiply-adds and two multiplies. Taking the tail itself rather than 1 - erf
@@ -64,9 +65,9 @@ constexpr int PrefetchMinBlocks(int kind, int rows) {
 struct NormalTail {
   float h, e;
 };
-__device__ __forceinline__ NormalTail NormalTailOf(float v) {
+__device__ __forceinline__ NormalTail NormalTailOf(float v, float log2_c) {
   constexpr float kHalf = 0.5f, kA = 0.3275911f * 0.70710678118654752f;
-  const float e = Exp2Approx((v * (-0.5f * kLog2e)) * v);
+  const float e = Exp2Approx(fmaf(v * (-0.5f * kLog2e), v, log2_c));
   const float t = RcpApprox(fmaf(kA, fabsf(v), 1.f));
   float p = fmaf(kHalf * 1.061405429f, t, kHalf * -1.453152027f);
   p = fmaf(p, t, kHalf * 1.421413741f);
@@ -74,8 +75,8 @@ __device__ __forceinline__ NormalTail NormalTailOf(float v) {
   p = fmaf(p, t, kHalf * 0.254829592f);
   return NormalTail{p * t * e, e};
 }
-// Phi(v) from its tail.
-__device__ __forceinline__ float NormalCdf(float v, const NormalTail& n) { return v >= 0.f ? 1.f - n.h : n.h; }
+// c * Phi(v) from the scaled tail.
+__device__ __forceinline__ float NormalCdf(float v, const NormalTail& n, float c) { return v >= 0.f ? c - n.h : n.h; }
 
 __device__ __forceinline__ float ExpApprox(float x) { return Exp2Approx(x * kLog2e); }
 
@@ -93,40 +94,42 @@ __device__ __forceinline__ float HalfOnePlusTanh(float u) {
   }
 }
 
+// act(v) * c and act'(v) * c, c the dropout's scale (log2_c its log2; 1 and 0 without
+// dropout): the exact GELU on bfloat16 takes c inside its tail, the others multiply.
 template <int ACT, typename T>
-__device__ __forceinline__ float Act(float v) {
+__device__ __forceinline__ float ActScaled(float v, float c, float log2_c) {
   if constexpr (ACT == kActRelu) {
-    return fmaxf(v, 0.f);
+    return fmaxf(v, 0.f) * c;
   } else if constexpr (ACT == kActGelu) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      return v * NormalCdf(v, NormalTailOf(v));
+      return v * NormalCdf(v, NormalTailOf(v, log2_c), c);
     } else {
-      return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+      return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)) * c;
     }
   } else {
     const float u = 0.79788456080286536f * (v + 0.044715f * v * v * v);
-    return v * HalfOnePlusTanh<T>(u);
+    return v * HalfOnePlusTanh<T>(u) * c;
   }
 }
 
 template <int ACT, typename T>
-__device__ __forceinline__ float ActGrad(float v) {
+__device__ __forceinline__ float ActGradScaled(float v, float c, float log2_c) {
   if constexpr (ACT == kActRelu) {
-    return v > 0.f ? 1.f : 0.f;
+    return v > 0.f ? c : 0.f;
   } else if constexpr (ACT == kActGelu) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       // One exp for both: the tail needs exp(-v^2 / 2), as does the density.
-      const NormalTail n = NormalTailOf(v);
-      return fmaf(v * 0.39894228040143268f, n.e, NormalCdf(v, n));
+      const NormalTail n = NormalTailOf(v, log2_c);
+      return fmaf(v * 0.39894228040143268f, n.e, NormalCdf(v, n, c));
     } else {
       const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
-      return cdf + v * (0.39894228040143268f * expf(-0.5f * v * v));
+      return (cdf + v * (0.39894228040143268f * expf(-0.5f * v * v))) * c;
     }
   } else {
     // With s = 0.5 * (1 + tanh(u)): 0.5 * (1 - tanh(u)^2) = 2 * s * (1 - s).
-    const float k = 0.79788456080286536f, c = 0.044715f;
-    const float s = HalfOnePlusTanh<T>(k * (v + c * v * v * v));
-    return s + 2.f * v * s * (1.f - s) * k * (1.f + 3.f * c * v * v);
+    const float k = 0.79788456080286536f, cc = 0.044715f;
+    const float s = HalfOnePlusTanh<T>(k * (v + cc * v * v * v));
+    return (s + 2.f * v * s * (1.f - s) * k * (1.f + 3.f * cc * v * v)) * c;
   }
 }
 
@@ -195,6 +198,9 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
     }
     DropoutSeed s{0u, 0u, 0u};
     if constexpr (DROP) s = DropoutSeed{a.seed[0], a.seed[1], a.seed[2]};
+    // The activation kernels' dropout scale, applied inside the activation.
+    const float c = DROP ? a.scale : 1.f;
+    const float log2_c = DROP ? __log2f(a.scale) : 0.f;
     const T* in0 = static_cast<const T*>(a.in0);
     const T* in1 = static_cast<const T*>(a.in1);
     T* out = static_cast<T*>(a.out);
@@ -243,11 +249,11 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
               if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
               acc[j] += t;
             } else if constexpr (KIND == kActFwd) {
-              t = Act<ACT, T>(__fadd_rn(x0, b[j]));
-              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+              t = ActScaled<ACT, T>(__fadd_rn(x0, b[j]), c, log2_c);
+              if (DROP) t = kept ? t : 0.f;
             } else {
-              t = __fmul_rn(x0, ActGrad<ACT, T>(__fadd_rn(x1, b[j])));
-              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+              t = __fmul_rn(x0, ActGradScaled<ACT, T>(__fadd_rn(x1, b[j]), c, log2_c));
+              if (DROP) t = kept ? t : 0.f;
               acc[j] += t;
             }
             o[j] = t;
@@ -320,11 +326,20 @@ bool FullGrid(int kind) {
   return (kind == kBdrFwd || kind == kActFwd) && GetKernelOption(kDropoutFullGrid) == 1;
 }
 
-// Block (tx, ty) with tx covering the column vectors (chunks of <= 512 in grid.y);
-// grid.x row-blocks, at most max_blocks.
+// Column vectors per block in the backward: narrow column chunks (grid.y) leave fewer
+// row-blocks in the resident wave, and each row-block writes one partial dbias row that
+// the fold reads back (at 8192 x 4096, 512-wide chunks made 132 partial rows, 4.3 MB of
+// extra traffic; 128-wide ones make 33). 32 up to 128 vectors (hidden 1024 in 16-bit),
+// else 128, so that the chunk count divides the resident blocks of 132 SMs at the
+// model widths.
+int BwdColumnThreads(int64_t nvec) { return nvec <= 128 ? 32 : 128; }
+
+// Block (tx, ty) with tx covering the column vectors (chunks of <= 512 in grid.y, of
+// BwdColumnThreads in the backward); grid.x row-blocks, at most max_blocks.
 Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int u, int64_t max_blocks) {
   const int64_t nvec = hidden / vec;
-  const int tx = (int)std::min<int64_t>((nvec + 31) / 32 * 32, kMaxThreads);
+  const bool bwd = kind == kBdrBwd || kind == kActBwd;
+  const int tx = (int)std::min<int64_t>((nvec + 31) / 32 * 32, bwd ? BwdColumnThreads(nvec) : kMaxThreads);
   const int ty = std::max(1, kMaxThreads / tx);
   const int64_t gy = (nvec + tx - 1) / tx;
   const int64_t per_block = (int64_t)ty * u;
@@ -418,7 +433,8 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   }
   if (a.max_parts < 1) return cudaErrorInvalidValue;
   const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
-  // Row blocks (= partial dbias rows): 2 per SM.
+  // Row blocks (= partial dbias rows): at most 2 per SM, fewer when the columns take
+  // several chunks (LaunchResident).
   Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden),
                        std::min<int64_t>(a.max_parts, 2 * SmCount()));
   KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
