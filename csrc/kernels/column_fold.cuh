@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common.cuh"
+#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
@@ -93,10 +94,11 @@ __device__ __forceinline__ bool WriteClusterPartial(float* fold, int n, float* p
 }
 
 // Launches kernel(args) over `parts` blocks, in clusters of 8 (else 4) blocks where the
-// device has clusters (compute capability 9+) and the clusters fit in one wave (the
-// kernels are persistent: a second wave would run its rows after the first); returns
-// the number of partial rows the kernel writes with WriteClusterPartial (parts / C), or
-// parts for a plain launch.
+// device has clusters (compute capability 9+) and all `parts` blocks stay resident in
+// them (the kernels are persistent: fewer blocks, or a second wave, would cost more than
+// the fold saves); returns the number of partial rows the kernel writes with
+// WriteClusterPartial (parts / C), or parts for a plain launch (also with the
+// fold_clusters=1 kernel option).
 template <typename Args>
 int LaunchInFoldClusters(void (*kernel)(Args), int parts, dim3 block, size_t smem, const Args& args,
                          cudaStream_t stream) {
@@ -112,9 +114,10 @@ int LaunchInFoldClusters(void (*kernel)(Args), int parts, dim3 block, size_t sme
   static std::mutex mu;
   static std::map<std::tuple<const void*, unsigned, unsigned, size_t, int>, int> active_clusters;
   for (int c : {8, 4}) {
-    if (!has_clusters || parts < 2 * c) break;
+    if (!has_clusters || GetKernelOption(kFoldClusters) == 1) break;
+    if (parts % c != 0) continue;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(parts / c * c));
+    cfg.gridDim = dim3((unsigned)parts);
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
@@ -139,13 +142,8 @@ int LaunchInFoldClusters(void (*kernel)(Args), int parts, dim3 block, size_t sme
       }
       active = it->second;
     }
-    // Accept up to a tenth fewer blocks than asked for; the grid strides over the rows.
-    const int fit = active * c;
-    if (fit < (int)cfg.gridDim.x) {
-      if (10 * fit < 9 * parts) continue;
-      cfg.gridDim.x = (unsigned)fit;
-    }
-    if (cudaLaunchKernelEx(&cfg, kernel, args) == cudaSuccess) return (int)cfg.gridDim.x / c;
+    if (active * c < parts) continue;
+    if (cudaLaunchKernelEx(&cfg, kernel, args) == cudaSuccess) return parts / c;
     cudaGetLastError();
   }
   kernel<<<parts, block, smem, stream>>>(args);
