@@ -31,7 +31,7 @@ def cases(with_xla: bool):
     k = jax.random.split(jax.random.key(0), 8)
     out = {}
     # bias+dropout+residual and bias+GELU+dropout
-    for n, h in ((16384, 768), (8192, 4096)):
+    for n, h in ((16384, 768), (8192, 1024), (8192, 4096)):
         x, r, dy = _normal(k[2], (n, h)), _normal(k[3], (n, h)), _normal(k[4], (n, h))
         b = _normal(k[5], (h,))
         for name, ours, xla in (("bdr", ours_bdr, xla_bdr),):

@@ -112,6 +112,19 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 constexpr int kPack = 16 / sizeof(T);  // elements per 16-byte access
 
+// dst = src as 32-bit words where the pack is a whole number of them: a loop-carried
+// pack of 16-bit elements is otherwise moved half by half (two byte permutes a word).
+template <typename T, int N>
+__device__ __forceinline__ void CopyPack(Pack<T, N>& dst, const Pack<T, N>& src) {
+  if constexpr (sizeof(T) * N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(T) * N / 4); ++i)
+      reinterpret_cast<uint32_t*>(dst.v)[i] = reinterpret_cast<const uint32_t*>(src.v)[i];
+  } else {
+    dst = src;
+  }
+}
+
 // The N elements of a pack (taken by value: one wide load) as floats. bfloat16 pairs are read as 32-bit words: the
 // lower element is the word shifted left by 16, the upper one the word with its low
 // half cleared (one instruction each; converting element by element costs a byte

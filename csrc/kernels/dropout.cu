@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
         compute(r0, p0, p1);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          p0[u] = q0[u];
-          if constexpr (kIn1) p1[u] = q1[u];
+          CopyPack(p0[u], q0[u]);
+          if constexpr (kIn1) CopyPack(p1[u], q1[u]);
         }
       }
     } else {
@@ -290,14 +290,15 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
 #pragma unroll
     for (int j = 0; j < VEC; ++j) fold[slot + j] = acc[j];
     __syncthreads();
-    if (threadIdx.y == 0 && col_ok) {
-      float* part = a.partials + (int64_t)blockIdx.x * H + col;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        float s = fold[threadIdx.x * VEC + j];
-        for (int yy = 1; yy < (int)blockDim.y; ++yy) s += fold[(yy * blockDim.x + threadIdx.x) * VEC + j];
-        part[j] = s;
-      }
+    // Each of the block's columns summed over the ty lanes in order by its own thread
+    // (consecutive threads, consecutive columns: no bank conflicts, coalesced stores).
+    const int width = blockDim.x * VEC, nthreads = blockDim.x * blockDim.y;
+    const int64_t col0 = (int64_t)blockIdx.y * width;
+    float* part = a.partials + (int64_t)blockIdx.x * H + col0;
+    for (int lc = threadIdx.y * blockDim.x + threadIdx.x; lc < width && col0 + lc < H; lc += nthreads) {
+      float s = fold[lc];
+      for (int yy = 1; yy < (int)blockDim.y; ++yy) s += fold[yy * width + lc];
+      part[lc] = s;
     }
   }
 }
