@@ -208,79 +208,103 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
     const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
     RowNumbering numbering(DROP ? a.seq_batch : 0, a.rows, first, stride);
     // Raw packs in flight (half the registers of floats for 16-bit types).
-    auto load = [&](int64_t r0, PackT (&p0)[U], PackT (&p1)[U]) {
+    // Element offsets advance with the rows (off0 = r0 * H + col, u_off = stride * H)
+    // rather than being multiplied out per row.
+    const int64_t u_off = stride * H;
+    auto load = [&](int64_t r0, int64_t off0, PackT (&p0)[U], PackT (&p1)[U]) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t row = r0 + u * stride;
         if (row < a.rows) {
-          const int64_t off = row * H + col;
+          const int64_t off = off0 + u * u_off;
           p0[u] = *reinterpret_cast<const PackT*>(in0 + off);
           if constexpr (kIn1) p1[u] = *reinterpret_cast<const PackT*>(in1 + off);
         }
       }
     };
-    auto compute = [&](int64_t r0, const PackT (&p0)[U], const PackT (&p1)[U]) {
+    // Every row's first dropout index has the parity of seed offset + col when the row
+    // length is even (16-byte packs: always), so the one-hash-per-pair path is chosen
+    // once per thread (pairs = true) instead of per row.
+    const uint32_t thr16 = a.threshold << 16;
+    auto run = [&](auto pairs) {
+      auto compute = [&](int64_t r0, int64_t off0, const PackT (&p0)[U], const PackT (&p1)[U]) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t row = r0 + u * stride;
-        if (row < a.rows) {
-          const int64_t off = row * H + col;
-          bool keep[VEC];
-          if constexpr (DROP) {
-            const uint32_t g0 = s.offset + numbering.TakeAndAdvance(row) * (uint32_t)H + (uint32_t)col;
-            KeepVec<VEC>(g0, s, a.threshold, keep);
-          }
-          float f0[VEC], f1[VEC];
-          UnpackFloats(p0[u], f0);
-          if constexpr (kIn1) UnpackFloats(p1[u], f1);
-          float o[VEC];
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const bool kept = DROP ? keep[j] : true;
-            const float x0 = f0[j];
-            const float x1 = kIn1 ? f1[j] : 0.f;
-            float t;
-            if constexpr (KIND == kBdrFwd) {
-              t = __fadd_rn(x0, b[j]);
-              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
-              t = __fadd_rn(x1, t);
-            } else if constexpr (KIND == kBdrBwd) {
-              t = x0;
-              if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
-              acc[j] += t;
-            } else if constexpr (KIND == kActFwd) {
-              t = ActScaled<ACT, T>(__fadd_rn(x0, b[j]), c, log2_c);
-              if (DROP) t = kept ? t : 0.f;
-            } else {
-              t = __fmul_rn(x0, ActGradScaled<ACT, T>(__fadd_rn(x1, b[j]), c, log2_c));
-              if (DROP) t = kept ? t : 0.f;
-              acc[j] += t;
+        for (int u = 0; u < U; ++u) {
+          const int64_t row = r0 + u * stride;
+          if (row < a.rows) {
+            const int64_t off = off0 + u * u_off;
+            bool keep[VEC];
+            if constexpr (DROP) {
+              const uint32_t g0 = s.offset + numbering.TakeAndAdvance(row) * (uint32_t)H + (uint32_t)col;
+              if constexpr (decltype(pairs)::value) {
+                KeepPairs<VEC>(g0, s, thr16, keep);
+              } else {
+                KeepVec<VEC>(g0, s, a.threshold, keep);
+              }
             }
-            o[j] = t;
+            float f0[VEC], f1[VEC];
+            UnpackFloats(p0[u], f0);
+            if constexpr (kIn1) UnpackFloats(p1[u], f1);
+            float o[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+              const bool kept = DROP ? keep[j] : true;
+              const float x0 = f0[j];
+              const float x1 = kIn1 ? f1[j] : 0.f;
+              float t;
+              if constexpr (KIND == kBdrFwd) {
+                t = __fadd_rn(x0, b[j]);
+                if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+                t = __fadd_rn(x1, t);
+              } else if constexpr (KIND == kBdrBwd) {
+                t = x0;
+                if (DROP) t = kept ? __fmul_rn(t, a.scale) : 0.f;
+                acc[j] += t;
+              } else if constexpr (KIND == kActFwd) {
+                t = ActScaled<ACT, T>(__fadd_rn(x0, b[j]), c, log2_c);
+                if (DROP) t = kept ? t : 0.f;
+              } else {
+                t = __fmul_rn(x0, ActGradScaled<ACT, T>(__fadd_rn(x1, b[j]), c, log2_c));
+                if (DROP) t = kept ? t : 0.f;
+                acc[j] += t;
+              }
+              o[j] = t;
+            }
+            StoreFloats<T, VEC>(out + off, o);
           }
-          StoreFloats<T, VEC>(out + off, o);
+        }
+      };
+      const int64_t row_step = stride * U, off_step = u_off * U;
+      int64_t off = first * H + col;
+      if constexpr (PF) {
+        PackT p0[U], p1[U];
+        load(first, off, p0, p1);
+        for (int64_t r0 = first; r0 < a.rows; r0 += row_step, off += off_step) {
+          PackT q0[U], q1[U];
+          load(r0 + row_step, off + off_step, q0, q1);
+          compute(r0, off, p0, p1);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            CopyPack(p0[u], q0[u]);
+            if constexpr (kIn1) CopyPack(p1[u], q1[u]);
+          }
+        }
+      } else {
+        for (int64_t r0 = first; r0 < a.rows; r0 += row_step, off += off_step) {
+          PackT p0[U], p1[U];
+          load(r0, off, p0, p1);
+          compute(r0, off, p0, p1);
         }
       }
     };
-    if constexpr (PF) {
-      PackT p0[U], p1[U];
-      load(first, p0, p1);
-      for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
-        PackT q0[U], q1[U];
-        load(r0 + stride * U, q0, q1);
-        compute(r0, p0, p1);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          CopyPack(p0[u], q0[u]);
-          if constexpr (kIn1) CopyPack(p1[u], q1[u]);
-        }
+    if constexpr (DROP && VEC % 2 == 0) {
+      if (((s.offset + (uint32_t)col) & 1u) == 0u && (H & 1) == 0) {
+        run(std::true_type{});
+      } else {
+        run(std::false_type{});
       }
     } else {
-      for (int64_t r0 = first; r0 < a.rows; r0 += stride * U) {
-        PackT p0[U], p1[U];
-        load(r0, p0, p1);
-        compute(r0, p0, p1);
-      }
+      run(std::false_type{});
     }
   }
 
