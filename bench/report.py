@@ -19,7 +19,7 @@ def main(folder):
     for r in rows_of(folder):
         if not r.get("impl", "").startswith("jax_ls2"):
             continue
-        impl = "" if r["impl"] == "jax_ls2" else f" ({r['impl'][8:]})"
+        impl = "" if r["impl"] == "jax_ls2" else f" ({r['impl'][8:].strip('[]')})"
         print(f"| {r['op']}{impl} | {r['shape']} | {r['dtype']} | {r['pass']} | {r['ms_median']} | "
               f"{r['pct_copy_bw']} | {r['speedup_vs_xla']} | {r.get('device_ms', '')} | "
               f"{r.get('device_pct_copy_bw', '')} | {r.get('device_speedup_vs_xla', '')} |")
