@@ -22,7 +22,6 @@ PYBIND11_MODULE(_C, m) {
         {"dropout_rows_in_flight", jax_ls2::kDropoutRowsInFlight},
         {"dropout_full_grid", jax_ls2::kDropoutFullGrid},
         {"dropout_prefetch", jax_ls2::kDropoutPrefetch},
-        {"fold_clusters", jax_ls2::kFoldClusters},
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},

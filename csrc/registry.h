@@ -36,8 +36,6 @@ enum KernelOption : int {
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing
                              // the current ones (bfloat16, 16-byte path; prefetching is the built-in choice)
-  kFoldClusters,             // "fold_clusters": 1 = the LayerNorm backward's blocks launched plainly, each writing
-                             // its own partial row (sm_90 builds run them in clusters that fold theirs)
   kNumKernelOptions
 };
 inline std::atomic<int>* KernelOptions() {

@@ -434,8 +434,7 @@ def test_gpu_program_calls_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32),
-                                    ("fold_clusters", 1)])
+@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32)])
 @pytest.mark.parametrize("hidden", [768, 1280, 4096])
 def test_gpu_backward_launch_options_compute_the_same(option, hidden):
     """The backward variants a benchmark may time (launch options) give the default's

@@ -5,8 +5,8 @@
 // thread with 16-byte accesses, else 16); blockDim.y row groups per block.
 // The backward is persistent over rows: each row group keeps its dgamma/dbeta
 // partial sums in registers, the block folds its row groups in shared memory and
-// writes one partial row per block, or per cluster of 8 blocks on sm_90; a second
-// kernel sums the partials (fixed order, so results are deterministic).
+// writes one partial row per block; a second kernel sums the partials (fixed
+// order, so results are deterministic).
 // Looped path (larger hidden): one block per row, passes re-read the row.
 #include "common.cuh"
 #include "kernels/column_fold.cuh"
@@ -304,7 +304,6 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VE
     }
     __syncthreads();
   }
-  if (WriteClusterPartial(fold, 2 * H, a.partials)) return;
   float* part = a.partials + (int64_t)blockIdx.x * 2 * H;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   for (int c = tid; c < 2 * H; c += nthreads) part[c] = fold[c];
@@ -468,7 +467,7 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
       if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
     }
     if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    parts = LaunchInFoldClusters(k, parts, block, smem, a, stream);
+    k<<<parts, block, smem, stream>>>(a);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
