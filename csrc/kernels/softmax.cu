@@ -11,9 +11,10 @@
 //   g = dy * keep * keep_scale,  dx = grad_scale * p * (g - sum(g * p)).
 //
 // Register path (k_len <= 8192): a row group of blockDim.x threads (a power of
-// two, <= 512) holds one row in registers, 16 elements per thread, 16-byte
-// accesses when k_len allows; blockDim.y row groups per block. For k_len <= 512
-// (bf16/fp16) a row is one warp and the reductions are shuffles only.
+// two, <= 512) holds one row in registers, 16 elements per thread (the forward of
+// fp16/bf16 rows with 16-byte accesses: 32), 16-byte accesses when k_len allows;
+// blockDim.y row groups per block. Where a row group is at most a warp (k_len <= 512
+// in bf16/fp16) the reductions are shuffles only.
 // Looped path (larger k_len): one block per row, an online max/sum pass and a
 // write pass that re-reads the row (from L2).
 #include <type_traits>
