@@ -24,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
         {"dropout_prefetch", jax_ls2::kDropoutPrefetch},
         {"softmax_elems", jax_ls2::kSoftmaxElems},
         {"layer_norm_bwd_elems", jax_ls2::kLayerNormBwdElems},
+        {"layer_norm_bwd_stages", jax_ls2::kLayerNormBwdStages},
         {"cross_entropy_threads", jax_ls2::kCrossEntropyThreads},
         {"cross_entropy_pipeline", jax_ls2::kCrossEntropyPipeline},
     };

@@ -32,6 +32,8 @@ enum KernelOption : int {
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
   kSoftmaxElems,             // "softmax_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
   kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
+  kLayerNormBwdStages,       // "layer_norm_bwd_stages": 2..8 = the staged backward with that many stages
+                             // (16-bit, 16-byte path, sm_90), 1 = the register kernel
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing

@@ -434,20 +434,59 @@ def test_gpu_program_calls_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32)])
+@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32),
+                                    ("layer_norm_bwd_stages", 2), ("layer_norm_bwd_stages", 4)])
 @pytest.mark.parametrize("hidden", [768, 1280, 4096])
 def test_gpu_backward_launch_options_compute_the_same(option, hidden):
     """The backward variants a benchmark may time (launch options) give the default's
-    gradients within an ulp of bfloat16 (their sums add in another order). Both outputs
-    of the residual form get a cotangent, so the residual branch's gradient is added."""
+    gradients within an ulp of bfloat16 (their sums add in another order), in the plain
+    form and in the residual form, where both outputs get a cotangent so the residual
+    branch's gradient is added. 1031 rows leave the staged kernel a partial last tile."""
     from numerics import assert_bf16_close, under_kernel_option
     x, g, b, r = inputs((1031, hidden), jnp.bfloat16, seed=5)
     k1, k2 = jax.random.split(jax.random.key(6))
     dy = jax.random.normal(k1, x.shape).astype(jnp.bfloat16)
     ds = jax.random.normal(k2, x.shape).astype(jnp.bfloat16)
-    prog = jax.jit(lambda x, g, b, r, dy, ds: jax.vjp(lambda x, g, b: layer_norm(x, g, b, residual=r),
-                                                      x, g, b)[1]((dy, ds)))
+
+    def both_forms(x, g, b, r, dy, ds):
+        fused = jax.vjp(lambda x, g, b: layer_norm(x, g, b, residual=r), x, g, b)[1]((dy, ds))
+        plain = jax.vjp(lambda x, g, b: layer_norm(x, g, b), x, g, b)[1](dy)
+        return fused + plain
+
+    prog = jax.jit(both_forms)
     want = jax.block_until_ready(prog(x, g, b, r, dy, ds))
     got = under_kernel_option(*option, prog, x, g, b, r, dy, ds)
+    assert len(got) == 6
     for a, w in zip(got, want):
         assert_bf16_close(a, w)
+
+
+
+@pytest.mark.sanitize
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_residual", [False, True])
+@pytest.mark.parametrize("hidden", [1024, 4096])
+def test_gpu_staged_backward_float16_against_float64_truth(hidden, fused_residual):
+    """The staged backward (layer_norm_bwd_stages) on float16 rows: gradients within 2x of
+    the XLA reference's error in float16, both against float64 autodiff."""
+    from numerics import under_kernel_option
+    shape = (517, hidden)
+    x, g, b, r = inputs(shape, jnp.float16, seed=8)
+    w = jax.random.normal(jax.random.key(9), shape).astype(jnp.float16)
+    res = (lambda r: r) if fused_residual else (lambda r: None)
+
+    def ours(x, g, b, r):
+        y = layer_norm(x, g, b, residual=res(r))
+        return y[0] if fused_residual else y
+
+    xla = lambda x, g, b, r: _xla_reference(x, g, b, res(r))
+    loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w.astype(jnp.float32)))
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        args64 = [jax.device_put(jnp.asarray(f64(a)), cpu) for a in (x, g, b, r)]
+        w64 = jax.device_put(jnp.asarray(f64(w)), cpu)
+        truth = jax.grad(lambda x, g, b, r: jnp.sum(xla(x, g, b, r) * w64), (0, 1, 2, 3))(*args64)
+    gk = under_kernel_option("layer_norm_bwd_stages", 3, jax.grad(loss(ours), (0, 1, 2, 3)), x, g, b, r)
+    gx = jax.jit(jax.grad(loss(xla), (0, 1, 2, 3)))(x, g, b, r)
+    for i, name in enumerate(["dx", "dgamma", "dbeta", "dresidual"][:4 if fused_residual else 3]):
+        assert_within_2x(name, gk[i], gx[i], truth[i])

@@ -17,6 +17,7 @@
 // in the logits dtype, and loss = lse - (1 - eps) x[label] - eps mean(x) + z lse^2, as in
 // cross_entropy.cu (same conventions for ignored rows and labels outside the vocabulary).
 #include "common.cuh"
+#include "kernels/bulk_copy.cuh"
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_reduce.cuh"
 #include "registry.h"
@@ -29,38 +30,6 @@ namespace {
 constexpr int kStagedThreads = 1024;
 // Shared memory a block may use (sm_90: 227 KB opt-in), less the static part.
 constexpr size_t kStagedSmemBytes = 227 * 1024 - 1024;
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// One 16-byte aligned global -> shared copy of `bytes` (a multiple of 16) that completes
-// the transaction count of the mbarrier, after this thread's arrival expecting them.
-__device__ __forceinline__ void BulkLoadArrive(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes)
-               : "memory");
-  if (bytes > 0) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     SmemAddr(dst)),
-                 "l"(src), "r"(bytes), "r"(SmemAddr(bar))
-                 : "memory");
-  }
-#endif
-}
-
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
 
 // Where the 16-byte aligned body of a row starts (in elements) and how many packs it holds.
 template <typename T>
@@ -135,9 +104,8 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
     BulkLoadArrive(staged + b * buf_packs, x + sp.head, static_cast<uint32_t>(sp.nvec) * 16u, &bars[b]);
   };
   if (tid == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(&bars[0])) : "memory");
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(&bars[1])) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    MbarInit(&bars[0]);
+    MbarInit(&bars[1]);
   }
   __syncthreads();
   int64_t row = blockIdx.x;
@@ -256,15 +224,7 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
     if ((xa & 15) != (ga & 15)) return false;
     auto kernel = CrossEntropyStagedKernel<T>;
     // The code that runs must be built for sm_90+ (an sm_80-only build JITs an empty body).
-    static const bool hopper = [] {
-      auto kernel = CrossEntropyStagedKernel<T>;
-      cudaFuncAttributes attr;
-      if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-        cudaGetLastError();
-        return false;
-      }
-      return attr.binaryVersion >= 90;
-    }();
+    static const bool hopper = BuiltForHopper(kernel);
     if (!hopper) return false;
     const size_t smem = 2 * buf_packs * 16;
     *err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

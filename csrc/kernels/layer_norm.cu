@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "kernels/column_fold.cuh"
 #include "kernels/layer_norm.h"
+#include "kernels/layer_norm_rows.cuh"
 #include "registry.h"
 
 namespace jax_ls2 {
@@ -31,34 +32,6 @@ constexpr int kBwdMaxThreads = 512;
 // launch options for sweeps, kLayerNormBwdElems): five arrays of that many floats.
 constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
 constexpr int kLoopThreads = 512;
-
-// Sums (a, b) over the blockDim.x threads of this row group. All threads of the
-// block must call it. scratch: >= 64 * blockDim.y floats.
-__device__ __forceinline__ void RowSum2(float& a, float& b, float* scratch) {
-  const int tpr = blockDim.x;
-  if (tpr <= 32) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      if (o < tpr) {
-        a += __shfl_xor_sync(0xffffffffu, a, o);
-        b += __shfl_xor_sync(0xffffffffu, b, o);
-      }
-    }
-    return;
-  }
-  a = WarpSum(a);
-  b = WarpSum(b);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = tpr >> 5;
-  float* s = scratch + threadIdx.y * 64;
-  __syncthreads();
-  if (lane == 0) {
-    s[warp] = a;
-    s[32 + warp] = b;
-  }
-  __syncthreads();
-  a = WarpSum(lane < nw ? s[lane] : 0.f);
-  b = WarpSum(lane < nw ? s[32 + lane] : 0.f);
-}
 
 template <typename T>
 __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
@@ -287,26 +260,7 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VE
     }
   }
 
-  // Fold the row groups' partial sums in a fixed order, then write this block's row.
-  for (int yy = 0; yy < (int)blockDim.y; ++yy) {
-    if ((int)threadIdx.y == yy) {
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        const int col = (i * blockDim.x + threadIdx.x) * VEC;
-        if (col < H) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            fold[col + j] = yy == 0 ? dg[i][j] : fold[col + j] + dg[i][j];
-            fold[H + col + j] = yy == 0 ? db[i][j] : fold[H + col + j] + db[i][j];
-          }
-        }
-      }
-    }
-    __syncthreads();
-  }
-  float* part = a.partials + (int64_t)blockIdx.x * 2 * H;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-  for (int c = tid; c < 2 * H; c += nthreads) part[c] = fold[c];
+  StoreBlockPartials<ITEMS, VEC>(dg, db, fold, H, a.partials + (int64_t)blockIdx.x * 2 * H);
 }
 
 // dy[c] plus the extra cotangents of the row at `off`, in the kernels' order.
@@ -445,8 +399,13 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   // warp (hidden 768: 96 threads, not 128 with 32 idle).
   const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads, /*warp_multiple=*/true);
   const size_t smem = 2 * a.hidden * sizeof(float);
-  int parts;
-  if (tpr == 0) {
+  int parts = 0;
+  cudaError_t staged_err = cudaSuccess;
+  const int stages = GetKernelOption(kLayerNormBwdStages);
+  if (elems == kBwdElems && vec == kVec && stages >= 2 &&
+      LaunchLayerNormBwdStaged<T>(a, tpr, stages, stream, &parts, &staged_err)) {
+    if (staged_err != cudaSuccess) return staged_err;
+  } else if (tpr == 0) {
     auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;
     parts = (int)std::min<int64_t>(a.rows, a.max_parts);
     k<<<parts, kLoopThreads, 0, stream>>>(a);

@@ -1,0 +1,173 @@
+// LayerNorm backward with the rows staged in shared memory (sm_90; 16-bit rows with
+// 16-byte accesses, hidden 264 to 4096).
+//
+// The register kernel (layer_norm.cu) keeps one row per row group in flight: load x and
+// dy, wait, reduce across the row, store dx, and only then load the next row. At hidden
+// 4096 that leaves an SM two rows of loads in flight and the kernel latency-bound. Here
+// persistent blocks walk tiles of blockDim.y contiguous rows (one per row group), and the
+// bulk-copy engine fills a ring of `stages` shared-memory buffers with the tiles' x, dy
+// (and dsum) rows: while the block reduces tile k, tiles k + 1 .. k + stages - 1 are
+// loading. Threads read their packs from shared memory twice (for the row sums, then for
+// dx), so nothing is held in registers across the row reduction. dgamma/dbeta partials
+// stay in registers and are folded per block as in the register kernel.
+#include "common.cuh"
+#include "kernels/bulk_copy.cuh"
+#include "kernels/layer_norm.h"
+#include "kernels/layer_norm_rows.cuh"
+
+#include <type_traits>
+
+namespace jax_ls2 {
+namespace {
+
+constexpr int kStagedMaxThreads = 512;
+constexpr int kMaxStages = 8;
+constexpr size_t kStagedSmemBytes = 227 * 1024 - 8 * 1024;  // opt-in limit less the static part
+
+// Block (tpr, ry): each thread owns the kPack<T> columns at threadIdx.x * kPack<T> of row
+// tile * ry + threadIdx.y. Shared memory: stage s, array j (x, dy, dsum) of a tile at
+// ring + (s * NARR + j) * ry * H elements; the ring is reused for the dgamma/dbeta fold.
+template <typename T, bool RES>
+__global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel(LayerNormBwdArgs a, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VEC = kPack<T>;
+  constexpr int NARR = RES ? 3 : 2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) uint64_t bars[kMaxStages];
+  __shared__ float scratch[64 * 16];
+  T* const ring = reinterpret_cast<T*>(smem);
+  const int H = static_cast<int>(a.hidden), ry = blockDim.y;
+  const int tile_elems = ry * H;
+  const int64_t ntiles = (a.rows + ry - 1) / ry, grid = gridDim.x;
+  const int col = threadIdx.x * VEC;
+  const bool has_col = col < H;
+  const bool leader = threadIdx.x == 0 && threadIdx.y == 0;
+  const float inv_h = 1.f / H;
+
+  float gam[VEC], dg[1][VEC], db[1][VEC];
+  if (has_col) {
+    LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) gam[j] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) dg[0][j] = db[0][j] = 0.f;
+
+  // Loads tile `tile` (if it exists) into stage `s`; by the leader only.
+  auto issue = [&](int64_t tile, int s) {
+    if (tile >= ntiles) return;
+    const int64_t first = tile * ry, off = first * H;
+    const uint32_t bytes = static_cast<uint32_t>(min(static_cast<int64_t>(ry), a.rows - first) * H * sizeof(T));
+    T* dst = ring + static_cast<int64_t>(s) * NARR * tile_elems;
+    MbarArriveExpect(&bars[s], NARR * bytes);
+    BulkLoad(dst, static_cast<const T*>(a.x) + off, bytes, &bars[s]);
+    BulkLoad(dst + tile_elems, static_cast<const T*>(a.dy) + off, bytes, &bars[s]);
+    if constexpr (RES) BulkLoad(dst + 2 * tile_elems, static_cast<const T*>(a.dsum) + off, bytes, &bars[s]);
+  };
+  if (leader) {
+    for (int s = 0; s < stages; ++s) MbarInit(&bars[s]);
+  }
+  __syncthreads();
+  if (leader) {
+    for (int s = 0; s + 1 < stages; ++s) issue(blockIdx.x + s * grid, s);
+  }
+
+  int64_t row = blockIdx.x * static_cast<int64_t>(ry) + threadIdx.y;
+  float mean = row < a.rows ? a.mean[row] : 0.f, rstd = row < a.rows ? a.rstd[row] : 0.f;
+  int s = 0;
+  uint32_t phase = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += grid) {
+    const bool valid = row < a.rows && has_col;
+    const int64_t next_row = row + grid * ry;
+    const float next_mean = next_row < a.rows ? a.mean[next_row] : 0.f;
+    const float next_rstd = next_row < a.rows ? a.rstd[next_row] : 0.f;
+    const T* sx = ring + static_cast<int64_t>(s) * NARR * tile_elems + threadIdx.y * H + col;
+    MbarWait(&bars[s], phase);
+
+    float s1 = 0.f, s2 = 0.f;
+    if (valid) {
+      float xv[VEC], dv[VEC];
+      LoadFloats<T, VEC>(sx, xv);
+      LoadFloats<T, VEC>(sx + tile_elems, dv);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = (xv[j] - mean) * rstd, gd = dv[j] * gam[j];
+        s1 += gd;
+        s2 += gd * xh;
+        dg[0][j] += dv[j] * xh;
+        db[0][j] += dv[j];
+      }
+    }
+    RowSum2(s1, s2, scratch);
+    // RowSum2 synchronised the block, so every thread is done with tile - grid: its
+    // stage, the one before s, takes the tile stages - 1 ahead.
+    if (leader) issue(tile + (stages - 1) * grid, s == 0 ? stages - 1 : s - 1);
+    if (valid) {
+      s1 *= inv_h;
+      s2 *= inv_h;
+      float xv[VEC], dv[VEC], o[VEC];
+      LoadFloats<T, VEC>(sx, xv);
+      LoadFloats<T, VEC>(sx + tile_elems, dv);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = rstd * (dv[j] * gam[j] - s1 - (xv[j] - mean) * rstd * s2);
+      if constexpr (RES) {
+        float d[VEC];
+        LoadFloats<T, VEC>(sx + 2 * tile_elems, d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] += d[j];
+      }
+      StoreFloats<T, VEC>(static_cast<T*>(a.dx) + row * H + col, o);
+    }
+    row = next_row;
+    mean = next_mean;
+    rstd = next_rstd;
+    if (++s == stages) {
+      s = 0;
+      phase ^= 1u;
+    }
+  }
+  __syncthreads();  // the ring becomes the fold buffer
+  StoreBlockPartials<1, VEC>(dg, db, reinterpret_cast<float*>(smem), H, a.partials + blockIdx.x * 2 * a.hidden);
+#endif
+}
+
+}  // namespace
+
+template <typename T>
+bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int stages, cudaStream_t stream, int* parts,
+                              cudaError_t* err) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    // Row groups of whole warps (RowSum2 synchronises the block only then), at most one
+    // 16-byte pack per thread, 16-byte aligned rows.
+    if (tpr <= 32 || tpr > kStagedMaxThreads || tpr % 32 != 0 || stages < 2 || stages > kMaxStages) return false;
+    if (a.n_more != 0 || a.hidden % kPack<T> != 0 || a.hidden > (int64_t)tpr * kPack<T>) return false;
+    const bool res = a.dsum != nullptr;
+    auto kernel = res ? LayerNormBwdStagedKernel<T, true> : LayerNormBwdStagedKernel<T, false>;
+    static const bool hopper = BuiltForHopper(LayerNormBwdStagedKernel<T, false>);
+    if (!hopper) return false;
+    const int ry = kStagedMaxThreads / tpr;
+    const size_t ring = static_cast<size_t>(stages) * (res ? 3 : 2) * ry * a.hidden * sizeof(T);
+    const size_t smem = std::max(ring, static_cast<size_t>(2 * a.hidden * sizeof(float)));
+    if (smem > kStagedSmemBytes) return false;
+    *err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    int per_sm = 0;
+    if (*err == cudaSuccess) *err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, tpr * ry, smem);
+    if (*err != cudaSuccess) return true;
+    const int64_t ntiles = (a.rows + ry - 1) / ry;
+    *parts = static_cast<int>(std::min<int64_t>({ntiles, static_cast<int64_t>(std::max(per_sm, 1)) * SmCount(),
+                                                 a.max_parts}));
+    kernel<<<*parts, dim3(tpr, ry), smem, stream>>>(a, stages);
+    *err = cudaGetLastError();
+    return true;
+  }
+}
+
+template bool LaunchLayerNormBwdStaged<float>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*, cudaError_t*);
+template bool LaunchLayerNormBwdStaged<__half>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*, cudaError_t*);
+template bool LaunchLayerNormBwdStaged<__nv_bfloat16>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*,
+                                                      cudaError_t*);
+
+}  // namespace jax_ls2
