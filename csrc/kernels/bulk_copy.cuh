@@ -13,11 +13,11 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Makes `bar` a barrier whose phases complete after `arrivals` arrivals (and the bytes the
-// arrivals expect). Called by one thread; a __syncthreads() must follow before others use it.
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t arrivals = 1) {
+// Makes `bar` a barrier that one arrival (with its expected bytes) completes a phase of.
+// Called by one thread; a __syncthreads() must follow before others use the barrier.
+__device__ __forceinline__ void MbarInit(uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(arrivals) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(bar)) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
@@ -39,21 +39,6 @@ __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t by
                  "l"(src), "r"(bytes), "r"(SmemAddr(bar))
                  : "memory");
   }
-#endif
-}
-
-// A 4-byte global -> shared copy (cp.async), for small values staged with the rows.
-__device__ __forceinline__ void AsyncCopy4(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src) : "memory");
-#endif
-}
-
-// This thread's arrival on `bar` (one of the arrivals it was initialised with), made when
-// every AsyncCopy4 it issued before has completed.
-__device__ __forceinline__ void AsyncCopiesArrive(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar)) : "memory");
 #endif
 }
 

@@ -6,10 +6,8 @@
 // 4096 that leaves an SM two rows of loads in flight and the kernel latency-bound. Here
 // persistent blocks walk tiles of blockDim.y contiguous rows (one per row group), and the
 // bulk-copy engine fills a ring of `stages` shared-memory buffers with the tiles' x, dy
-// (and dsum) rows, and cp.async the rows' mean and rstd: while the block reduces tile k,
-// tiles k + 1 .. k + stages - 1 are loading. (Measured on the H200 at 8192 x 4096, loading
-// mean and rstd one tile ahead into registers instead held the kernel at 76% of copy
-// bandwidth whatever the number of stages: each iteration waited for that load.) Threads read their packs from shared memory twice (for the row sums, then for
+// (and dsum) rows: while the block reduces tile k, tiles k + 1 .. k + stages - 1 are
+// loading. Threads read their packs from shared memory twice (for the row sums, then for
 // dx), so nothing is held in registers across the row reduction. dgamma/dbeta partials
 // stay in registers and are folded per block as in the register kernel.
 #include "common.cuh"
@@ -24,7 +22,6 @@ namespace {
 
 constexpr int kStagedMaxThreads = 512;
 constexpr int kMaxStages = 8;
-constexpr int kMaxRowGroups = kStagedMaxThreads / 64;  // row groups are >= 2 warps
 constexpr size_t kStagedSmemBytes = 227 * 1024 - 8 * 1024;  // opt-in limit less the static part
 
 // Block (tpr, ry): each thread owns the kPack<T> columns at threadIdx.x * kPack<T> of row
@@ -38,7 +35,6 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kMaxStages];
   __shared__ float scratch[64 * 16];
-  __shared__ float stats[kMaxStages][2][kMaxRowGroups];  // each stage's rows' mean and rstd
   T* const ring = reinterpret_cast<T*>(smem);
   const int H = static_cast<int>(a.hidden), ry = blockDim.y;
   const int tile_elems = ry * H;
@@ -58,18 +54,10 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
 #pragma unroll
   for (int j = 0; j < VEC; ++j) dg[0][j] = db[0][j] = 0.f;
 
-  // Loads tile `tile` (if it exists) into stage `s`; called by the first thread of every
-  // row group. Each copies its row's mean and rstd (cp.async: a loaded value in a register
-  // would make the loop wait for it); the block's leader issues the rows' bulk copies.
-  // A stage's barrier completes after the ry + 1 arrivals and the bytes.
+  // Loads tile `tile` (if it exists) into stage `s`; by the leader only.
   auto issue = [&](int64_t tile, int s) {
     if (tile >= ntiles) return;
     const int64_t first = tile * ry, off = first * H;
-    const int64_t r = min(first + threadIdx.y, a.rows - 1);
-    AsyncCopy4(&stats[s][0][threadIdx.y], a.mean + r);
-    AsyncCopy4(&stats[s][1][threadIdx.y], a.rstd + r);
-    AsyncCopiesArrive(&bars[s]);
-    if (threadIdx.y != 0) return;
     const uint32_t bytes = static_cast<uint32_t>(min(static_cast<int64_t>(ry), a.rows - first) * H * sizeof(T));
     T* dst = ring + static_cast<int64_t>(s) * NARR * tile_elems;
     MbarArriveExpect(&bars[s], NARR * bytes);
@@ -78,21 +66,24 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
     if constexpr (RES) BulkLoad(dst + 2 * tile_elems, static_cast<const T*>(a.dsum) + off, bytes, &bars[s]);
   };
   if (leader) {
-    for (int s = 0; s < stages; ++s) MbarInit(&bars[s], ry + 1);
+    for (int s = 0; s < stages; ++s) MbarInit(&bars[s]);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (leader) {
     for (int s = 0; s + 1 < stages; ++s) issue(blockIdx.x + s * grid, s);
   }
 
   int64_t row = blockIdx.x * static_cast<int64_t>(ry) + threadIdx.y;
+  float mean = row < a.rows ? a.mean[row] : 0.f, rstd = row < a.rows ? a.rstd[row] : 0.f;
   int s = 0;
   uint32_t phase = 0;
   for (int64_t tile = blockIdx.x; tile < ntiles; tile += grid) {
     const bool valid = row < a.rows && has_col;
+    const int64_t next_row = row + grid * ry;
+    const float next_mean = next_row < a.rows ? a.mean[next_row] : 0.f;
+    const float next_rstd = next_row < a.rows ? a.rstd[next_row] : 0.f;
     const T* sx = ring + static_cast<int64_t>(s) * NARR * tile_elems + threadIdx.y * H + col;
     MbarWait(&bars[s], phase);
-    const float mean = stats[s][0][threadIdx.y], rstd = stats[s][1][threadIdx.y];
 
     float s1 = 0.f, s2 = 0.f;
     if (valid) {
@@ -111,7 +102,7 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
     RowSum2(s1, s2, scratch);
     // RowSum2 synchronised the block, so every thread is done with tile - grid: its
     // stage, the one before s, takes the tile stages - 1 ahead.
-    if (threadIdx.x == 0) issue(tile + (stages - 1) * grid, s == 0 ? stages - 1 : s - 1);
+    if (leader) issue(tile + (stages - 1) * grid, s == 0 ? stages - 1 : s - 1);
     if (valid) {
       s1 *= inv_h;
       s2 *= inv_h;
@@ -128,7 +119,9 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
       }
       StoreFloats<T, VEC>(static_cast<T*>(a.dx) + row * H + col, o);
     }
-    row += grid * ry;
+    row = next_row;
+    mean = next_mean;
+    rstd = next_rstd;
     if (++s == stages) {
       s = 0;
       phase ^= 1u;
