@@ -3,7 +3,7 @@
 # logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
+# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
 # limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +74,7 @@ for step in $STEPS; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name-base demangled \
         --kernel-name "${NCU_KERNELS:-regex:jax_ls2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
-        --section InstructionStats --section SchedulerStats \
+        --section InstructionStats --section SchedulerStats ${NCU_EXTRA:-} \
         $PY -m bench.profile_kernels ${NCU_ARGS:-} >"$OUT/ncu.txt" 2>&1
       summary+=("ncu: exit $? ($(( $(date +%s) - t0 )) s), see ncu.txt")
       pack

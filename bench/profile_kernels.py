@@ -4,7 +4,8 @@ warm-up), and their XLA references, so that Nsight Compute can read their counte
   ncu --clock-control none --kernel-name regex:'jax_ls2' --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats python3 -m bench.profile_kernels
 
-`--only NAME,...` picks cases (names below); `--xla` adds the XLA references.
+`--only NAME,...` picks cases (names below); `--xla` adds the XLA references;
+`--option NAME=VALUE` (repeatable) sets a launch option (bench/PERF_NOTES.md) first.
 """
 from __future__ import annotations
 
@@ -75,7 +76,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--xla", action="store_true", help="also run the XLA references")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a launch option to set before running (jax_ls2._C.set_kernel_option)")
     args = ap.parse_args()
+    if args.option:
+        from jax_ls2 import _C
+        for opt in args.option:
+            name, value = opt.split("=")
+            _C.set_kernel_option(name, int(value))
     only = [s for s in args.only.split(",") if s]
     for name, (fn, a) in cases(args.xla).items():
         if only and not any(name.startswith(o) for o in only):

@@ -45,12 +45,19 @@ def under_kernel_option(name: str, value: int, fn, *args):
     """fn(*args) through a freshly compiled program run to completion with the launch
     option `name` set to `value` (jax_ls2._C.set_kernel_option), then the built-in
     choice restored. Fresh, because a program replays the CUDA graph of its first run."""
+    return under_kernel_options({name: value}, fn, *args)
+
+
+def under_kernel_options(options: dict, fn, *args):
+    """under_kernel_option with several launch options set together."""
     from jax_ls2 import _C
-    _C.set_kernel_option(name, value)
     try:
+        for name, value in options.items():
+            _C.set_kernel_option(name, value)
         return jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
     finally:
-        _C.set_kernel_option(name, 0)
+        for name in options:
+            _C.set_kernel_option(name, 0)
 
 
 def assert_bf16_close(a, b, ulps: int = 1, floor: float = 2.0 ** -16):

@@ -434,15 +434,17 @@ def test_gpu_program_calls_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", [("layer_norm_bwd_elems", 16), ("layer_norm_bwd_elems", 32),
-                                    ("layer_norm_bwd_stages", 2), ("layer_norm_bwd_stages", 4)])
+@pytest.mark.parametrize("options", [{"layer_norm_bwd_elems": 16}, {"layer_norm_bwd_elems": 32},
+                                     {"layer_norm_bwd_stages": 2}, {"layer_norm_bwd_stages": 4},
+                                     {"layer_norm_bwd_stages": 3, "layer_norm_bwd_elems": 16}],
+                         ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("hidden", [768, 1280, 4096])
-def test_gpu_backward_launch_options_compute_the_same(option, hidden):
+def test_gpu_backward_launch_options_compute_the_same(options, hidden):
     """The backward variants a benchmark may time (launch options) give the default's
     gradients within an ulp of bfloat16 (their sums add in another order), in the plain
     form and in the residual form, where both outputs get a cotangent so the residual
     branch's gradient is added. 1031 rows leave the staged kernel a partial last tile."""
-    from numerics import assert_bf16_close, under_kernel_option
+    from numerics import assert_bf16_close, under_kernel_options
     x, g, b, r = inputs((1031, hidden), jnp.bfloat16, seed=5)
     k1, k2 = jax.random.split(jax.random.key(6))
     dy = jax.random.normal(k1, x.shape).astype(jnp.bfloat16)
@@ -455,7 +457,7 @@ def test_gpu_backward_launch_options_compute_the_same(option, hidden):
 
     prog = jax.jit(both_forms)
     want = jax.block_until_ready(prog(x, g, b, r, dy, ds))
-    got = under_kernel_option(*option, prog, x, g, b, r, dy, ds)
+    got = under_kernel_options(options, prog, x, g, b, r, dy, ds)
     assert len(got) == 6
     for a, w in zip(got, want):
         assert_bf16_close(a, w)

@@ -402,8 +402,8 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   int parts = 0;
   cudaError_t staged_err = cudaSuccess;
   const int stages = GetKernelOption(kLayerNormBwdStages);
-  if (elems == kBwdElems && vec == kVec && stages >= 2 &&
-      LaunchLayerNormBwdStaged<T>(a, tpr, stages, stream, &parts, &staged_err)) {
+  if (elems <= 16 && vec == kVec && stages >= 2 &&
+      LaunchLayerNormBwdStaged<T>(a, tpr, elems, stages, stream, &parts, &staged_err)) {
     if (staged_err != cudaSuccess) return staged_err;
   } else if (tpr == 0) {
     auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;

@@ -46,12 +46,12 @@ cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream);
 template <typename T>
 cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream);
 
-// The staged backward (layer_norm_staged.cu) for row groups of `tpr` threads with a ring
-// of `stages` shared-memory stages. Returns false, launching nothing, where it does not
+// The staged backward (layer_norm_staged.cu) for row groups of `tpr` threads holding
+// `elems` (8 or 16) elements each, with a ring of `stages` shared-memory stages. Returns false, launching nothing, where it does not
 // apply (float32, unaligned or extra cotangents, rows too long, a device or build before
 // sm_90); else launches it, sets *parts to its grid (the partial rows written) and *err.
 template <typename T>
-bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int stages, cudaStream_t stream, int* parts,
-                              cudaError_t* err);
+bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int elems, int stages, cudaStream_t stream,
+                              int* parts, cudaError_t* err);
 
 }  // namespace jax_ls2

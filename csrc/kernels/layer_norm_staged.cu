@@ -20,17 +20,21 @@
 namespace jax_ls2 {
 namespace {
 
-constexpr int kStagedMaxThreads = 512;
+// Row groups of 8 elements per thread run in blocks of up to 512 threads, two per SM; of
+// 16 (launch option layer_norm_bwd_elems=16), up to 256 threads.
+constexpr int StagedMaxThreads(int elems) { return elems <= 8 ? 512 : 256; }
+constexpr int StagedMinBlocks(int elems) { return elems <= 8 ? 2 : 3; }
 constexpr int kMaxStages = 8;
 constexpr size_t kStagedSmemBytes = 227 * 1024 - 8 * 1024;  // opt-in limit less the static part
 
-// Block (tpr, ry): each thread owns the kPack<T> columns at threadIdx.x * kPack<T> of row
-// tile * ry + threadIdx.y. Shared memory: stage s, array j (x, dy, dsum) of a tile at
-// ring + (s * NARR + j) * ry * H elements; the ring is reused for the dgamma/dbeta fold.
-template <typename T, bool RES>
-__global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel(LayerNormBwdArgs a, int stages) {
+// Block (tpr, ry): each thread owns the columns (i * tpr + threadIdx.x) * kPack<T> + j of
+// row tile * ry + threadIdx.y. Shared memory: stage s, array k (x, dy, dsum) of a tile at
+// ring + (s * NARR + k) * ry * H elements; the ring is reused for the dgamma/dbeta fold.
+template <typename T, bool RES, int ELEMS>
+__global__ void __launch_bounds__(StagedMaxThreads(ELEMS), StagedMinBlocks(ELEMS))
+    LayerNormBwdStagedKernel(LayerNormBwdArgs a, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int VEC = kPack<T>;
+  constexpr int VEC = kPack<T>, ITEMS = ELEMS / VEC;
   constexpr int NARR = RES ? 3 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kMaxStages];
@@ -39,20 +43,24 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
   const int H = static_cast<int>(a.hidden), ry = blockDim.y;
   const int tile_elems = ry * H;
   const int64_t ntiles = (a.rows + ry - 1) / ry, grid = gridDim.x;
-  const int col = threadIdx.x * VEC;
-  const bool has_col = col < H;
   const bool leader = threadIdx.x == 0 && threadIdx.y == 0;
   const float inv_h = 1.f / H;
 
-  float gam[VEC], dg[1][VEC], db[1][VEC];
-  if (has_col) {
-    LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam);
-  } else {
+  float gam[ITEMS][VEC], dg[ITEMS][VEC], db[ITEMS][VEC];
+  bool has_col[ITEMS];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) gam[j] = 0.f;
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    has_col[i] = col < H;
+    if (has_col[i]) {
+      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) gam[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
   }
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) dg[0][j] = db[0][j] = 0.f;
 
   // Loads tile `tile` (if it exists) into stage `s`; by the leader only.
   auto issue = [&](int64_t tile, int s) {
@@ -78,46 +86,54 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
   int s = 0;
   uint32_t phase = 0;
   for (int64_t tile = blockIdx.x; tile < ntiles; tile += grid) {
-    const bool valid = row < a.rows && has_col;
+    const bool valid = row < a.rows;
     const int64_t next_row = row + grid * ry;
     const float next_mean = next_row < a.rows ? a.mean[next_row] : 0.f;
     const float next_rstd = next_row < a.rows ? a.rstd[next_row] : 0.f;
-    const T* sx = ring + static_cast<int64_t>(s) * NARR * tile_elems + threadIdx.y * H + col;
+    const T* sx = ring + static_cast<int64_t>(s) * NARR * tile_elems + threadIdx.y * H + threadIdx.x * VEC;
     MbarWait(&bars[s], phase);
 
     float s1 = 0.f, s2 = 0.f;
-    if (valid) {
-      float xv[VEC], dv[VEC];
-      LoadFloats<T, VEC>(sx, xv);
-      LoadFloats<T, VEC>(sx + tile_elems, dv);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float xh = (xv[j] - mean) * rstd, gd = dv[j] * gam[j];
-        s1 += gd;
-        s2 += gd * xh;
-        dg[0][j] += dv[j] * xh;
-        db[0][j] += dv[j];
+    for (int i = 0; i < ITEMS; ++i) {
+      if (valid && has_col[i]) {
+        float xv[VEC], dv[VEC];
+        LoadFloats<T, VEC>(sx + i * blockDim.x * VEC, xv);
+        LoadFloats<T, VEC>(sx + i * blockDim.x * VEC + tile_elems, dv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = (xv[j] - mean) * rstd, gd = dv[j] * gam[i][j];
+          s1 += gd;
+          s2 += gd * xh;
+          dg[i][j] += dv[j] * xh;
+          db[i][j] += dv[j];
+        }
       }
     }
     RowSum2(s1, s2, scratch);
     // RowSum2 synchronised the block, so every thread is done with tile - grid: its
     // stage, the one before s, takes the tile stages - 1 ahead.
     if (leader) issue(tile + (stages - 1) * grid, s == 0 ? stages - 1 : s - 1);
-    if (valid) {
-      s1 *= inv_h;
-      s2 *= inv_h;
-      float xv[VEC], dv[VEC], o[VEC];
-      LoadFloats<T, VEC>(sx, xv);
-      LoadFloats<T, VEC>(sx + tile_elems, dv);
+    // dx = rstd * (dy * gamma - s1 / H - xhat * s2 / H)
+    //    = dy * (rstd * gamma) + (x - mean) * a1 + a0,  a1 = -rstd^2 s2 / H,  a0 = -rstd s1 / H
+    const float a1 = -rstd * rstd * s2 * inv_h, a0 = -rstd * s1 * inv_h;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = rstd * (dv[j] * gam[j] - s1 - (xv[j] - mean) * rstd * s2);
-      if constexpr (RES) {
-        float d[VEC];
-        LoadFloats<T, VEC>(sx + 2 * tile_elems, d);
+    for (int i = 0; i < ITEMS; ++i) {
+      if (valid && has_col[i]) {
+        const T* p = sx + i * blockDim.x * VEC;
+        float xv[VEC], dv[VEC], o[VEC];
+        LoadFloats<T, VEC>(p, xv);
+        LoadFloats<T, VEC>(p + tile_elems, dv);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] += d[j];
+        for (int j = 0; j < VEC; ++j) o[j] = fmaf(dv[j], rstd * gam[i][j], fmaf(xv[j] - mean, a1, a0));
+        if constexpr (RES) {
+          float d[VEC];
+          LoadFloats<T, VEC>(p + 2 * tile_elems, d);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] += d[j];
+        }
+        StoreFloats<T, VEC>(static_cast<T*>(a.dx) + row * H + (i * blockDim.x + threadIdx.x) * VEC, o);
       }
-      StoreFloats<T, VEC>(static_cast<T*>(a.dx) + row * H + col, o);
     }
     row = next_row;
     mean = next_mean;
@@ -128,27 +144,30 @@ __global__ void __launch_bounds__(kStagedMaxThreads, 2) LayerNormBwdStagedKernel
     }
   }
   __syncthreads();  // the ring becomes the fold buffer
-  StoreBlockPartials<1, VEC>(dg, db, reinterpret_cast<float*>(smem), H, a.partials + blockIdx.x * 2 * a.hidden);
+  StoreBlockPartials<ITEMS, VEC>(dg, db, reinterpret_cast<float*>(smem), H, a.partials + blockIdx.x * 2 * a.hidden);
 #endif
 }
 
 }  // namespace
 
 template <typename T>
-bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int stages, cudaStream_t stream, int* parts,
-                              cudaError_t* err) {
+bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int elems, int stages, cudaStream_t stream,
+                              int* parts, cudaError_t* err) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
-    // Row groups of whole warps (RowSum2 synchronises the block only then), at most one
-    // 16-byte pack per thread, 16-byte aligned rows.
-    if (tpr <= 32 || tpr > kStagedMaxThreads || tpr % 32 != 0 || stages < 2 || stages > kMaxStages) return false;
-    if (a.n_more != 0 || a.hidden % kPack<T> != 0 || a.hidden > (int64_t)tpr * kPack<T>) return false;
+    // Row groups of whole warps (RowSum2 synchronises the block only then) covering the
+    // row with `elems` per thread, 16-byte aligned rows.
+    if (elems != 8 && elems != 16) return false;
+    const int max_threads = elems == 8 ? StagedMaxThreads(8) : StagedMaxThreads(16);
+    if (tpr <= 32 || tpr > max_threads || tpr % 32 != 0 || stages < 2 || stages > kMaxStages) return false;
+    if (a.n_more != 0 || a.hidden % kPack<T> != 0 || a.hidden > (int64_t)tpr * elems) return false;
     const bool res = a.dsum != nullptr;
-    auto kernel = res ? LayerNormBwdStagedKernel<T, true> : LayerNormBwdStagedKernel<T, false>;
-    static const bool hopper = BuiltForHopper(LayerNormBwdStagedKernel<T, false>);
+    auto kernel = elems == 8 ? (res ? LayerNormBwdStagedKernel<T, true, 8> : LayerNormBwdStagedKernel<T, false, 8>)
+                             : (res ? LayerNormBwdStagedKernel<T, true, 16> : LayerNormBwdStagedKernel<T, false, 16>);
+    static const bool hopper = BuiltForHopper(LayerNormBwdStagedKernel<T, false, 8>);
     if (!hopper) return false;
-    const int ry = kStagedMaxThreads / tpr;
+    const int ry = max_threads / tpr;
     const size_t ring = static_cast<size_t>(stages) * (res ? 3 : 2) * ry * a.hidden * sizeof(T);
     const size_t smem = std::max(ring, static_cast<size_t>(2 * a.hidden * sizeof(float)));
     if (smem > kStagedSmemBytes) return false;
@@ -165,9 +184,9 @@ bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int stages, cu
   }
 }
 
-template bool LaunchLayerNormBwdStaged<float>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*, cudaError_t*);
-template bool LaunchLayerNormBwdStaged<__half>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*, cudaError_t*);
-template bool LaunchLayerNormBwdStaged<__nv_bfloat16>(const LayerNormBwdArgs&, int, int, cudaStream_t, int*,
+template bool LaunchLayerNormBwdStaged<float>(const LayerNormBwdArgs&, int, int, int, cudaStream_t, int*, cudaError_t*);
+template bool LaunchLayerNormBwdStaged<__half>(const LayerNormBwdArgs&, int, int, int, cudaStream_t, int*, cudaError_t*);
+template bool LaunchLayerNormBwdStaged<__nv_bfloat16>(const LayerNormBwdArgs&, int, int, int, cudaStream_t, int*,
                                                       cudaError_t*);
 
 }  // namespace jax_ls2
