@@ -121,7 +121,7 @@ for step in $STEPS; do
                      --variants ${SOFTMAX_VARIANTS:-softmax_elems=16} ;;
           layer_norm_bwd) run_sweep layer_norm_bwd bench_layer_norm --dtypes bfloat16 --reps 30 \
                             --only layer_norm:bwd,layer_norm_return_input:bwd \
-                            --variants ${LN_VARIANTS:-layer_norm_bwd_elems=16,layer_norm_bwd_elems=32} ;;
+                            --variants ${LN_VARIANTS:-layer_norm_bwd_stages=1,layer_norm_bwd_elems=8,layer_norm_bwd_elems=16} ;;
         esac
       done
       summary+=("sweeps: $(( $(date +%s) - t0 )) s")

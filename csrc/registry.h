@@ -31,10 +31,10 @@ enum KernelOption : int {
   kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
   kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
   kSoftmaxElems,             // "softmax_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
-  kLayerNormBwdElems,        // "layer_norm_bwd_elems": 16 or 32 elements per thread (bfloat16, 16-byte path;
-                             // 16 also for the staged kernel)
-  kLayerNormBwdStages,       // "layer_norm_bwd_stages": 2..8 = the staged backward with that many stages
-                             // (16-bit, 16-byte path, sm_90), 1 = the register kernel
+  kLayerNormBwdElems,        // "layer_norm_bwd_elems": elements per thread of the backward: 8 or 16 for the
+                             // staged kernel, 16 or 32 for the register kernel (bfloat16, 16-byte path)
+  kLayerNormBwdStages,       // "layer_norm_bwd_stages": 1 = the register kernel instead of the staged one
+                             // (16-bit, 16-byte path, sm_90); 2..8 = the staged kernel's stages
   kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
   kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
   kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing

@@ -6,7 +6,8 @@
 // The backward is persistent over rows: each row group keeps its dgamma/dbeta
 // partial sums in registers, the block folds its row groups in shared memory and
 // writes one partial row per block; a second kernel sums the partials (fixed
-// order, so results are deterministic).
+// order, so results are deterministic). 16-bit rows of up to 4096 with 16-byte
+// accesses take the staged backward on sm_90 instead (layer_norm_staged.cu).
 // Looped path (larger hidden): one block per row, passes re-read the row.
 #include "common.cuh"
 #include "kernels/column_fold.cuh"
@@ -28,6 +29,7 @@ constexpr int kFwdElems = 16;
 constexpr int FwdMaxThreads(int elems) { return 16384 / elems; }
 constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
+constexpr int kBwdStages = 3;   // shared-memory stages of the staged backward (3 and 4 measured alike)
 // Block size bound of a backward variant holding `elems` per thread (16 and 32 are
 // launch options for sweeps, kLayerNormBwdElems): five arrays of that many floats.
 constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
@@ -391,42 +393,52 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
   for (int m = 0; m < a.n_more; ++m) vec = std::min(vec, PickVec<T>(a.hidden, {a.dy_more[m]}));
   constexpr int kVec = kPack<T>;
-  const int opt = GetKernelOption(kLayerNormBwdElems);
-  const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && a.n_more == 0 && (opt == 16 || opt == 32)
-                        ? opt : kBwdElems;
-  const int max_threads = BwdMaxThreads(elems);
-  // Row groups of whole warps rather than a power of two when a row needs more than one
-  // warp (hidden 768: 96 threads, not 128 with 32 idle).
-  const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads, /*warp_multiple=*/true);
-  const size_t smem = 2 * a.hidden * sizeof(float);
+  const int opt = GetKernelOption(kLayerNormBwdElems), stages_opt = GetKernelOption(kLayerNormBwdStages);
   int parts = 0;
-  cudaError_t staged_err = cudaSuccess;
-  const int stages = GetKernelOption(kLayerNormBwdStages);
-  if (elems <= 16 && vec == kVec && stages >= 2 &&
-      LaunchLayerNormBwdStaged<T>(a, tpr, elems, stages, stream, &parts, &staged_err)) {
-    if (staged_err != cudaSuccess) return staged_err;
-  } else if (tpr == 0) {
-    auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;
-    parts = (int)std::min<int64_t>(a.rows, a.max_parts);
-    k<<<parts, kLoopThreads, 0, stream>>>(a);
-  } else {
-    const int ry = max_threads / tpr < 1 ? 1 : max_threads / tpr;
-    const int ry_used = (int)std::min<int64_t>(ry, a.rows);
-    dim3 block(tpr, ry_used);
-    parts = (int)std::min<int64_t>((a.rows + ry_used - 1) / ry_used, a.max_parts);
-    void (*k)(LayerNormBwdArgs) = nullptr;
-    switch (a.n_more) {
-      case 0: k = PickBwdKernel<T, 0>(vec == kVec, res); break;
-      case 1: k = PickBwdKernel<T, 1>(vec == kVec, res); break;
-      case 2: k = PickBwdKernel<T, 2>(vec == kVec, res); break;
-      default: k = PickBwdKernel<T, 3>(vec == kVec, res); break;
+  // The staged kernel (layer_norm_staged.cu) where it applies (16-bit, 16-byte rows up to
+  // 4096, sm_90) unless the register kernel is asked for. Measured on the H200 (bf16,
+  // 3 and 4 stages alike): 8 elements per thread best at hidden 768 and 1024, 16 at 4096.
+  bool staged = false;
+  if (vec == kVec && a.n_more == 0 && stages_opt != 1 && (opt == 0 || opt == 8 || opt == 16)) {
+    const int staged_elems = opt != 0 ? opt : (a.hidden > 2048 ? 16 : 8);
+    const int staged_tpr = ThreadsPerRow(a.hidden, vec, staged_elems, kBwdMaxThreads, /*warp_multiple=*/true);
+    cudaError_t err = cudaSuccess;
+    staged = staged_tpr > 0 && LaunchLayerNormBwdStaged<T>(a, staged_tpr, staged_elems,
+                                                            stages_opt >= 2 ? stages_opt : kBwdStages, stream,
+                                                            &parts, &err);
+    if (err != cudaSuccess) return err;
+  }
+  if (!staged) {  // the register kernel, or the looped one for longer rows
+    const int elems = std::is_same_v<T, __nv_bfloat16> && vec == kVec && a.n_more == 0 && (opt == 16 || opt == 32)
+                          ? opt : kBwdElems;
+    const int max_threads = BwdMaxThreads(elems);
+    // Row groups of whole warps rather than a power of two when a row needs more than one
+    // warp (hidden 768: 96 threads, not 128 with 32 idle).
+    const int tpr = ThreadsPerRow(a.hidden, vec, elems, max_threads, /*warp_multiple=*/true);
+    const size_t smem = 2 * a.hidden * sizeof(float);
+    if (tpr == 0) {
+      auto k = res ? LayerNormBwdLoopKernel<T, true> : LayerNormBwdLoopKernel<T, false>;
+      parts = (int)std::min<int64_t>(a.rows, a.max_parts);
+      k<<<parts, kLoopThreads, 0, stream>>>(a);
+    } else {
+      const int ry = max_threads / tpr < 1 ? 1 : max_threads / tpr;
+      const int ry_used = (int)std::min<int64_t>(ry, a.rows);
+      dim3 block(tpr, ry_used);
+      parts = (int)std::min<int64_t>((a.rows + ry_used - 1) / ry_used, a.max_parts);
+      void (*k)(LayerNormBwdArgs) = nullptr;
+      switch (a.n_more) {
+        case 0: k = PickBwdKernel<T, 0>(vec == kVec, res); break;
+        case 1: k = PickBwdKernel<T, 1>(vec == kVec, res); break;
+        case 2: k = PickBwdKernel<T, 2>(vec == kVec, res); break;
+        default: k = PickBwdKernel<T, 3>(vec == kVec, res); break;
+      }
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
+        if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
+      }
+      if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      k<<<parts, block, smem, stream>>>(a);
     }
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (elems == 16) k = res ? LayerNormBwdKernel<T, kVec, true, 16> : LayerNormBwdKernel<T, kVec, false, 16>;
-      if (elems == 32) k = res ? LayerNormBwdKernel<T, kVec, true, 32> : LayerNormBwdKernel<T, kVec, false, 32>;
-    }
-    if (smem > 48 * 1024) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    k<<<parts, block, smem, stream>>>(a);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
