@@ -274,5 +274,19 @@ __device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint3
     for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
   }
 }
+// Runs body(keep_of) once, keep_of(g0, keep) giving the keep flags of elements g0 ..
+// g0 + VEC - 1: one hash per pair when every g0 the body asks for is even (all_even),
+// else KeepVec. The choice is made once per thread instead of once per vector.
+template <int VEC, typename Body>
+__device__ __forceinline__ void WithKeepFlags(bool all_even, const DropoutSeed& s, uint32_t threshold, Body&& body) {
+  if constexpr (VEC % 2 == 0) {
+    if (all_even) {
+      const uint32_t thr16 = threshold << 16;
+      body([&](uint32_t g0, bool (&keep)[VEC]) { KeepPairs<VEC>(g0, s, thr16, keep); });
+      return;
+    }
+  }
+  body([&](uint32_t g0, bool (&keep)[VEC]) { KeepVec<VEC>(g0, s, threshold, keep); });
+}
 
 }  // namespace jax_ls2

@@ -310,15 +310,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC == 1 ? 1 : sizeof(T) == 2 
         StoreFloats<T, VEC>(y + col, o);
       }
     }
-  } else if constexpr (VEC % 2 == 0) {
-    if ((rr.g & 1u) == 0u) {
-      const uint32_t thr16 = thr << 16;
-      store([&](uint32_t g, bool (&keep)[VEC]) { KeepPairs<VEC>(g, seed, thr16, keep); });
-    } else {
-      store([&](uint32_t g, bool (&keep)[VEC]) { KeepVec<VEC>(g, seed, thr, keep); });
-    }
   } else {
-    store([&](uint32_t g, bool (&keep)[VEC]) { KeepVec<VEC>(g, seed, thr, keep); });
+    WithKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, store);
   }
   if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
 }
@@ -436,18 +429,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
       for (int j = 0; j < VEC; ++j) g[i][j] = keep[j] ? g[i][j] * p.keep_scale : 0.f;
     }
   };
-  if (thr != 0) {
-    if constexpr (VEC % 2 == 0) {
-      if ((rr.g & 1u) == 0u) {
-        const uint32_t thr16 = thr << 16;
-        drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepPairs<VEC>(gi, seed, thr16, keep); });
-      } else {
-        drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepVec<VEC>(gi, seed, thr, keep); });
-      }
-    } else {
-      drop([&](uint32_t gi, bool (&keep)[VEC]) { KeepVec<VEC>(gi, seed, thr, keep); });
-    }
-  }
+  if (thr != 0) WithKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, drop);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
