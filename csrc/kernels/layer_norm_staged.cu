@@ -21,7 +21,7 @@ namespace jax_ls2 {
 namespace {
 
 // Row groups of 8 elements per thread run in blocks of up to 512 threads, two per SM; of
-// 16 (launch option layer_norm_bwd_elems=16), up to 256 threads.
+// 16 (the default above hidden 2048), in blocks of up to 256, three per SM.
 constexpr int StagedMaxThreads(int elems) { return elems <= 8 ? 512 : 256; }
 constexpr int StagedMinBlocks(int elems) { return elems <= 8 ? 2 : 3; }
 constexpr int kMaxStages = 8;
