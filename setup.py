@@ -70,9 +70,12 @@ class NvccBuildExt(build_ext):
             f"-I{sysconfig.get_paths()['include']}",
             f"-I{os.path.join(ROOT, 'csrc')}",
         ]
-        common = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-                  "--expt-relaxed-constexpr", "-lineinfo"] + _archs()
-        sources = sorted(ext.sources)
+        host = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
+        # .cu: kernels, for every target arch; .cc: host code only (the FFI handlers and the
+        # module, which launch nothing themselves), compiled as plain C++ without device passes.
+        device = host + ["--expt-relaxed-constexpr", "-lineinfo"] + _archs()
+        # The kernels first: the host-only files are quick and fill the last gaps of the pool.
+        sources = sorted(ext.sources, key=lambda src: (not src.endswith(".cu"), src))
 
         def compile_one(src):
             rel = os.path.relpath(src, ROOT).replace(os.sep, "_")
@@ -81,7 +84,8 @@ class NvccBuildExt(build_ext):
                 + glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True)
             if os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(d) for d in deps):
                 return obj
-            cmd = [nvcc, "-x", "cu", "-c", src, "-o", obj] + common + includes
+            lang = ["-x", "cu"] + device if src.endswith(".cu") else ["-x", "c++"] + host
+            cmd = [nvcc] + lang + ["-c", src, "-o", obj] + includes
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
             return obj

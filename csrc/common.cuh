@@ -92,6 +92,9 @@ inline int64_t LastDim(const ffi::AnyBuffer& buf) {
   return dims.size() == 0 ? 1 : dims[dims.size() - 1];
 }
 
+// Device code from here on: host-only translation units (the FFI handlers, compiled as
+// plain C++) see only the declarations above.
+#if defined(__CUDACC__)
 // ---------------------------------------------------------------- conversion
 template <typename T> __device__ __forceinline__ float ToFloat(T v);
 template <> __device__ __forceinline__ float ToFloat<float>(float v) { return v; }
@@ -288,5 +291,7 @@ __device__ __forceinline__ void WithKeepFlags(bool all_even, const DropoutSeed& 
   }
   body([&](uint32_t g0, bool (&keep)[VEC]) { KeepVec<VEC>(g0, s, threshold, keep); });
 }
+
+#endif  // __CUDACC__
 
 }  // namespace jax_ls2
