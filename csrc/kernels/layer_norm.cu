@@ -183,18 +183,8 @@ __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VE
   const float inv_h = 1.f / H;
 
   float gam[ITEMS][VEC], dg[ITEMS][VEC], db[ITEMS][VEC];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int col = (i * blockDim.x + threadIdx.x) * VEC;
-    if (col < H) {
-      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) gam[i][j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
-  }
+  bool has_col[ITEMS];  // unused here: the loops test their columns themselves
+  InitBwdColumns<T>(a.gamma, H, has_col, gam, dg, db);
 
   for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows;
        base += (int64_t)gridDim.x * blockDim.y) {

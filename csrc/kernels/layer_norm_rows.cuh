@@ -34,6 +34,28 @@ __device__ __forceinline__ void RowSum2(float& a, float& b, float* scratch) {
 }
 
 
+// The backward's per-thread column state: whether this thread's columns
+// (i * blockDim.x + threadIdx.x) * VEC + j lie in the row (has_col[i]), gamma there (zero
+// past the row's H), and zeroed dgamma/dbeta partial sums.
+template <typename T, int ITEMS, int VEC>
+__device__ __forceinline__ void InitBwdColumns(const void* gamma, int H, bool (&has_col)[ITEMS],
+                                               float (&gam)[ITEMS][VEC], float (&dg)[ITEMS][VEC],
+                                               float (&db)[ITEMS][VEC]) {
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int col = (i * blockDim.x + threadIdx.x) * VEC;
+    has_col[i] = col < H;
+    if (has_col[i]) {
+      LoadFloats<T, VEC>(static_cast<const T*>(gamma) + col, gam[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) gam[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
+  }
+}
+
 // Folds the row groups' dgamma/dbeta partial sums (this thread's columns are
 // (i * blockDim.x + threadIdx.x) * VEC + j) in a fixed order through `fold` (2 * H floats
 // of shared memory) and writes the block's partial row `part` (2, H) f32. All threads of

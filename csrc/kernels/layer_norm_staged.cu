@@ -48,19 +48,7 @@ __global__ void __launch_bounds__(StagedMaxThreads(ELEMS), StagedMinBlocks(ELEMS
 
   float gam[ITEMS][VEC], dg[ITEMS][VEC], db[ITEMS][VEC];
   bool has_col[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int col = (i * blockDim.x + threadIdx.x) * VEC;
-    has_col[i] = col < H;
-    if (has_col[i]) {
-      LoadFloats<T, VEC>(static_cast<const T*>(a.gamma) + col, gam[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) gam[i][j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) dg[i][j] = db[i][j] = 0.f;
-  }
+  InitBwdColumns<T>(a.gamma, H, has_col, gam, dg, db);
 
   // Loads tile `tile` (if it exists) into stage `s`; by the leader only.
   auto issue = [&](int64_t tile, int s) {
