@@ -147,7 +147,7 @@ bool LaunchLayerNormBwdStaged(const LayerNormBwdArgs& a, int tpr, int elems, int
     // Row groups of whole warps (RowSum2 synchronises the block only then) covering the
     // row with `elems` per thread, 16-byte aligned rows.
     if (elems != 8 && elems != 16) return false;
-    const int max_threads = elems == 8 ? StagedMaxThreads(8) : StagedMaxThreads(16);
+    const int max_threads = StagedMaxThreads(elems);
     if (tpr <= 32 || tpr > max_threads || tpr % 32 != 0 || stages < 2 || stages > kMaxStages) return false;
     if (a.n_more != 0 || a.hidden % kPack<T> != 0 || a.hidden > (int64_t)tpr * elems) return false;
     const bool res = a.dsum != nullptr;
