@@ -55,6 +55,23 @@ def _impl_mode() -> str:
     return mode
 
 
+def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
+    """The one dispatch path of every op and of the optimizer: ``reference`` under
+    ``JAX_LS2_IMPL=reference``; otherwise, when the FFI ``target`` is registered, a
+    ``platform_dependent`` choice of ``cuda`` on CUDA and ``reference`` elsewhere; without
+    the target, ``reference`` (``JAX_LS2_IMPL=cuda`` raises instead)."""
+    mode = _impl_mode()
+    if mode == "reference":
+        return reference
+    if not _ffi.has_target(target):
+        if mode == "cuda":
+            _ffi.require_cuda(target)
+            raise RuntimeError(f"{target}: this FFI target is missing from the built extension. "
+                               f"{_ffi.REBUILD_HINT}")
+        return reference
+    return lambda *a: jax.lax.platform_dependent(*a, cuda=cuda, default=reference)
+
+
 class FusedKernel:
     """A reference/CUDA pair with vmap and partitioning rules.
 
@@ -83,18 +100,8 @@ class FusedKernel:
 
     # ------------------------------------------------------------------ dispatch
     def _impl(self, static: dict):
-        reference = lambda *a: tuple(self.reference(*a, **static))
-        mode = _impl_mode()
-        if mode == "reference":
-            return reference
-        if not _ffi.has_target(self.name):
-            if mode == "cuda":
-                _ffi.require_cuda(self.name)
-                raise RuntimeError(f"{self.name}: this FFI target is missing from the built extension. "
-                                   f"{_ffi.REBUILD_HINT}")
-            return reference
-        cuda = lambda *a: tuple(self.cuda(*a, **static))
-        return lambda *a: jax.lax.platform_dependent(*a, cuda=cuda, default=reference)
+        return select_impl(self.name, lambda *a: tuple(self.reference(*a, **static)),
+                           lambda *a: tuple(self.cuda(*a, **static)))
 
     def _lead(self, shapes) -> int:
         return len(shapes[self._rows_index]) - self.operands[self._rows_index].tail

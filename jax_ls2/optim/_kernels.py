@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ls2 import _ffi
-from jax_ls2._dispatch import _impl_mode, result_type
+from jax_ls2._dispatch import result_type, select_impl
 from jax_ls2.optim import _abi as A
 from jax_ls2.optim import _reference
 from jax_ls2.optim._layout import Layout, offsets_attr, workspace_size
@@ -26,16 +25,7 @@ ACCUMULATE_TARGET = "jax_ls2_optim_accumulate"
 
 
 def _dispatch(name: str, reference, cuda, args):
-    mode = _impl_mode()
-    if mode == "reference":
-        return reference(*args)
-    if not _ffi.has_target(name):
-        if mode == "cuda":
-            _ffi.require_cuda(name)
-            raise RuntimeError(f"{name}: this FFI target is missing from the built extension. "
-                               f"{_ffi.REBUILD_HINT}")
-        return reference(*args)
-    return jax.lax.platform_dependent(*args, cuda=cuda, default=reference)
+    return select_impl(name, reference, cuda)(*args)
 
 
 def fused_update(grads: list, params: list, mu, nu, master, hp, seed, *, algo: int, flags: int,
