@@ -22,9 +22,27 @@ import numpy as np
 COPY_GBPS = 4137.0  # measured HBM copy bandwidth (read + write) of the H200 test machine
 MATMUL_TFLOPS = 790.0
 
-FIELDS = ["op", "shape", "dtype", "pass", "impl", "ms_median", "ms_p20", "ms_p80", "gbytes", "gbps",
+# One run's CSV (what `Rows.write` writes): one row per (op, shape, dtype, pass, impl).
+# `impl` is what was timed (xla, jax_ls2, jax_ls2[<launch option>]); `backend` is what
+# jax_ls2's ops ran in that process (cuda or reference), so a row timed without the
+# kernels says so.
+FIELDS = ["op", "shape", "dtype", "pass", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "gbytes", "gbps",
           "pct_copy_bw", "speedup_vs_xla", "device_ms", "device_pct_copy_bw", "device_speedup_vs_xla",
           "peak_mem_bytes", "gpu", "jax_version", "commit", "date"]
+
+# The results history (bench/results/results.csv): every run's rows appended in long
+# form, one figure per row, whatever CSV the benchmark wrote (op benchmarks, bench_models,
+# bench_sr_convergence). `run` names the run and file the row came from; `metric`/`value`
+# are the original column and its cell (`bench.report append` does the conversion).
+RESULTS_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "results.csv")
+LONG_FIELDS = ["run", "bench", "op", "shape", "dtype", "pass", "impl", "backend", "metric", "value",
+               "gpu", "jax_version", "commit", "date"]
+# Columns of a run's CSV that identify a row rather than measure it, with the long name
+# they take (bench_models writes `model` and `git_commit`; bench_sr_convergence's curves
+# `mode` and `step`).
+ID_COLUMNS = {"op": "op", "model": "op", "shape": "shape", "dtype": "dtype", "pass": "pass", "impl": "impl",
+              "mode": "impl", "step": "pass", "backend": "backend", "gpu": "gpu", "jax_version": "jax_version",
+              "commit": "commit", "git_commit": "commit", "date": "date"}
 
 
 def git_commit() -> str:
@@ -40,6 +58,64 @@ def git_commit() -> str:
 def gpu_name() -> str:
     d = jax.devices()[0]
     return getattr(d, "device_kind", d.platform)
+
+
+def backend() -> str:
+    """What jax_ls2's ops run here: ``jax_ls2.implementation()`` where the package has
+    it, else "cuda" when the kernels are built and the default backend is a GPU (and
+    ``JAX_LS2_IMPL`` does not force the references), else "reference"."""
+    import jax_ls2
+
+    implementation = getattr(jax_ls2, "implementation", None)
+    if implementation is not None:
+        return str(implementation())
+    if os.environ.get("JAX_LS2_IMPL") == "reference":
+        return "reference"
+    return "cuda" if jax_ls2.cuda_available() and jax.default_backend() == "gpu" else "reference"
+
+
+def long_rows(rows: Sequence[dict], run: str, bench: str, meta: dict | None = None) -> list:
+    """A run's CSV rows (any benchmark's columns) in LONG_FIELDS form: the identifying
+    columns (ID_COLUMNS) kept, every other non-empty cell one row (metric, value).
+    `meta` fills identifying columns a row lacks (gpu, commit, ...); `op` defaults to
+    `bench`. Rows come out in file order, metrics in column order."""
+    out = []
+    for r in rows:
+        base = {k: "" for k in LONG_FIELDS}
+        base.update(meta or {})
+        base.update(run=run, bench=bench)
+        for col, value in r.items():
+            if col in ID_COLUMNS and value not in (None, ""):
+                base[ID_COLUMNS[col]] = f"step={value}" if col == "step" else value
+        base["op"] = base["op"] or bench
+        for col, value in r.items():
+            if col in ID_COLUMNS or col is None or value in (None, ""):
+                continue
+            out.append(dict(base, metric=col, value=value))
+    return out
+
+
+def append_long(rows: Sequence[dict], path: str = RESULTS_CSV) -> int:
+    """Appends LONG_FIELDS rows to the results history at `path` (header written when
+    the file is new). Refuses (ValueError) rows of a run already in the file, so a run
+    is never counted twice. Returns the number of rows written."""
+    runs = {r["run"] for r in rows}
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != LONG_FIELDS:
+                raise ValueError(f"append_long: {path} has columns {reader.fieldnames}, expected {LONG_FIELDS}")
+            present = runs & {r["run"] for r in reader}
+        if present:
+            raise ValueError(f"append_long: runs already in {path}: {sorted(present)}")
+    new = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LONG_FIELDS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return len(rows)
 
 
 def device_time(prog, arg_sets, runs: int = 5):
@@ -125,7 +201,7 @@ class Rows:
 
     def __init__(self):
         self.rows = []
-        self.meta = dict(gpu=gpu_name(), jax_version=jax.__version__, commit=git_commit(),
+        self.meta = dict(backend=backend(), gpu=gpu_name(), jax_version=jax.__version__, commit=git_commit(),
                          date=datetime.date.today().isoformat())
 
     def add(self, **kw):
@@ -200,7 +276,7 @@ def op_bench_main(csv_name: str, run: Callable, default_dtypes: str = "bfloat16,
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/results/latest")
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--dtypes", default=default_dtypes)
     p.add_argument("--only", default="", help='comma-separated "op:pass" pairs, e.g. layer_norm:fwd')
