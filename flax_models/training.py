@@ -22,15 +22,13 @@ def lr_schedule(lr: float, steps: int, warmup: int):
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.01,
                    fused: bool = True):
-    """AdamW with `lr_schedule`: ``jax_ls2.optim.adamw`` when available (and ``fused``),
-    else ``optax.adamw``. Returns (transformation, name)."""
+    """AdamW with `lr_schedule`: ``jax_ls2.optim.adamw`` when ``fused``, else ``optax.adamw``.
+    Returns (transformation, name). An option the chosen optimizer does not take raises
+    there; there is no fallback from one optimizer to the other."""
     sched = lr_schedule(lr, steps, warmup)
     if fused:
-        try:
-            from jax_ls2.optim import adamw  # noqa: PLC0415
-            return adamw(learning_rate=sched, weight_decay=weight_decay), "jax_ls2.optim.adamw"
-        except (ImportError, AttributeError, TypeError):
-            pass
+        from jax_ls2.optim import adamw  # noqa: PLC0415
+        return adamw(learning_rate=sched, weight_decay=weight_decay), "jax_ls2.optim.adamw"
     return optax.adamw(learning_rate=sched, weight_decay=weight_decay), "optax.adamw"
 
 
