@@ -75,25 +75,55 @@ def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
 class FusedKernel:
     """A reference/CUDA pair with vmap and partitioning rules.
 
+    The CUDA side is one ``jax.ffi.ffi_call`` to the target ``name``, built here from
+    a description, so each target's name is written once.
+
     Args:
       name: FFI target name of the CUDA kernel (its presence in the extension gates use).
       reference: ``reference(*arrays, **static) -> tuple of arrays`` in pure JAX.
-      cuda: ``cuda(*arrays, **static) -> tuple of arrays`` built from ``jax.ffi.ffi_call``.
-      operands, results: one `Role` per array.
+      operands, results: one `Role` per array of ``reference``.
+      result_types: ``result_types(*arrays, **static) -> tuple`` of the FFI call's
+        result types (build them with `result_type`): one per entry of ``results``,
+        then any workspace buffers, which are dropped from what the kernel returns.
+      vmap_method: the FFI call's ``vmap_method``.
+      attrs: ``attrs(*arrays, **static) -> dict`` of the FFI call's static attributes
+        (numpy scalars or bools); default none.
+      ffi_operands: ``ffi_operands(*arrays, **static) -> tuple`` of the FFI call's
+        operands, when they differ from the arrays (say, with extra index buffers the
+        reference does not need); default the arrays themselves.
+      input_output_aliases: passed to ``ffi_call``.
+      per_example: ``per_example(static) -> bool``; when True under ``vmap``, the
+        examples run one by one (``lax.map``) instead of folding the mapped axis into
+        the rows, so that each example draws the dropout mask it would draw alone.
     """
 
-    def __init__(self, name: str, reference: Callable, cuda: Callable,
-                 operands: Sequence[Role], results: Sequence[Role]):
+    def __init__(self, name: str, reference: Callable, *, operands: Sequence[Role], results: Sequence[Role],
+                 result_types: Callable, vmap_method: str, attrs: Callable | None = None,
+                 ffi_operands: Callable | None = None, input_output_aliases: dict | None = None,
+                 per_example: Callable[[dict], bool] | None = None):
         self.name = name
         self.reference = reference
-        self.cuda = cuda
         self.operands = tuple(operands)
         self.results = tuple(results)
+        self.result_types = result_types
+        self.vmap_method = vmap_method
+        self.attrs = attrs
+        self.ffi_operands = ffi_operands
+        self.input_output_aliases = input_output_aliases
+        self.per_example = per_example
         rows = [i for i, r in enumerate(self.operands) if r.kind == ROWS]
         if not rows:
             raise ValueError(f"{name}: a FusedKernel needs at least one ROWS operand")
         self._rows_index = rows[0]
         self._seed_index = next((i for i, r in enumerate(self.operands) if r.kind == SEED), None)
+
+    def cuda(self, *arrays, **static):
+        """The FFI call of target ``name`` on ``arrays``; its workspace results dropped."""
+        operands = self.ffi_operands(*arrays, **static) if self.ffi_operands else arrays
+        attrs = self.attrs(*arrays, **static) if self.attrs else {}
+        call = jax.ffi.ffi_call(self.name, tuple(self.result_types(*arrays, **static)),
+                                vmap_method=self.vmap_method, input_output_aliases=self.input_output_aliases)
+        return tuple(call(*operands, **attrs))[:len(self.results)]
 
     def __call__(self, *args, **static):
         return self._vmappable(tuple(sorted(static.items())))(*args)
@@ -217,9 +247,11 @@ class FusedKernel:
         def fn(*args):
             return partitioned(*args)
 
+        one_by_one = bool(kernel.per_example and kernel.per_example(dict(static_items)))
+
         @fn.def_vmap
         def rule(axis_size, in_batched, *args):
-            foldable = all(not b or r.kind in (ROWS, BCAST) for b, r in zip(in_batched, kernel.operands))
+            foldable = not one_by_one and all(not b or r.kind in (ROWS, BCAST) for b, r in zip(in_batched, kernel.operands))
             foldable = foldable and all(r.kind != SUM for r in kernel.results)
             if foldable:
                 folded = []
@@ -241,6 +273,14 @@ class FusedKernel:
             return outs, tuple(True for _ in outs)
 
         return fn
+
+
+def forget_choices() -> None:
+    """Forgets the implementation every kernel chose when first traced, so the next
+    trace reads ``JAX_LS2_IMPL`` and the extension's state again (jitted functions
+    already compiled keep theirs)."""
+    FusedKernel._partitioned.cache_clear()
+    FusedKernel._vmappable.cache_clear()
 
 
 def result_type(like, shape=None, dtype=None):

@@ -9,8 +9,8 @@ from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role
 
 def _kernel(name):
     ref = lambda x, w, *, k: (x * w * k,)
-    cuda = lambda x, w, *, k: (x * 0,)  # never used on the CPU
-    return FusedKernel(name, ref, cuda, operands=(Role(ROWS, 1), Role(PARAM)), results=(Role(ROWS, 1),))
+    return FusedKernel(name, ref, operands=(Role(ROWS, 1), Role(PARAM)), results=(Role(ROWS, 1),),
+                       result_types=lambda x, w, *, k: (_dispatch.result_type(x),), vmap_method="sequential")
 
 
 def test_reference_runs_without_the_target():

@@ -426,6 +426,57 @@ def test_validation_messages():
         optim.apply_updates(optax.adam(1e-3), params, state, params)
 
 
+def test_precision_options_are_one_group_and_unknown_keywords_say_so():
+    assert optim.adamw(1e-3, master_weights=True, loss_scale="dynamic").update.config.options == \
+        optim.PrecisionOptions(master_weights=True, loss_scale="dynamic")
+    with pytest.raises(TypeError, match="sgd: unexpected keyword argument.*master_weight;"):
+        optim.sgd(1e-3, master_weight=True)
+
+
+def test_fused_capability_is_the_transformation_type():
+    tx = optim.adam(1e-3)
+    assert isinstance(tx, optim.FusedGradientTransformation)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    chained = optax.chain(optax.identity(), tx)
+    with pytest.raises(TypeError, match="apply_updates: tx must be a transformation made by jax_ls2.optim"):
+        optim.apply_updates(chained, {"a": jnp.ones(2)}, chained.init({"a": jnp.ones(2)}), {"a": jnp.ones(2)})
+
+
+def test_optax_signatures_and_positional_order():
+    import inspect
+    for name in ("adamw", "adam", "sgd"):
+        ours = list(inspect.signature(getattr(optim, name)).parameters.values())
+        theirs = list(inspect.signature(getattr(optax, name)).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in ours[:len(theirs)]] == \
+            [(p.name, p.kind, p.default) for p in theirs], name
+
+
+def test_update_without_params_where_optax_allows_it():
+    params = make_params()
+    grads = grads_at(params, 0)
+    for ours, theirs in [(optim.adam(1e-2), optax.adam(1e-2)), (optim.sgd(1e-2, 0.9, True), optax.sgd(1e-2, 0.9, True)),
+                         (optim.adamw(1e-2, weight_decay=0.0), optax.adam(1e-2))]:
+        u, _ = ours.update(grads, ours.init(params))
+        v, _ = theirs.update(grads, theirs.init(params))
+        assert_tree_close(u, v, rtol=1e-6, atol=1e-7)
+    for tx, what in [(optim.adamw(1e-2), "with weight decay"), (optim.adam(1e-2, master_weights=True),
+                                                                 "with master_weights=True")]:
+        with pytest.raises(ValueError, match=f"params are required {what}"):
+            tx.update(grads, tx.init(params))
+
+
+def test_moment_dtype_arguments_of_optax():
+    params = {"a": jnp.ones((3,))}
+    assert optim.sgd(1e-2, 0.9, accumulator_dtype=jnp.bfloat16).init(params).mu.dtype == jnp.bfloat16
+    assert optim.adam(1e-2, mu_dtype=jnp.float32).init(params).nu.dtype == jnp.float32
+    with pytest.raises(ValueError, match="adam: mu_dtype=bfloat16 alone is not supported"):
+        optim.adam(1e-2, mu_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="adamw: mu_dtype=float32 contradicts moment_dtype=bfloat16"):
+        optim.adamw(1e-2, mu_dtype=jnp.float32, moment_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="adam: nesterov=True is not supported"):
+        optim.adam(1e-2, nesterov=True)
+
+
 # ---------------------------------------------------------------- GPU: kernels against the reference
 GPU_CONFIGS = {
     "adamw_fp32": (lambda: optim.adamw(1e-2, weight_decay=0.1), (jnp.float32,)),

@@ -94,43 +94,38 @@ def _scale_reference(g, scale):
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(smoothing, z_loss, ignore_index, has_ignore):
+def _attrs(*arrays, smoothing, z_loss, ignore_index, has_ignore):
     return dict(smoothing=np.float32(smoothing), z_loss=np.float32(z_loss),
                 ignore_index=np.int64(ignore_index), has_ignore=bool(has_ignore))
 
 
-def _fwd_cuda(logits, labels, **static):
-    out = (result_type(logits, labels.shape, F32),)
-    return jax.ffi.ffi_call("jax_ls2_cross_entropy_fwd", out, vmap_method="broadcast_all")(
-        logits, labels, **_attrs(**static))
+def _loss_grad_attrs(*arrays, valid_vocab=0, **static):
+    return dict(_attrs(**static), valid_vocab=np.int64(valid_vocab))
 
 
-def _fwd_grad_cuda(logits, labels, scale, *, valid_vocab=0, **static):
-    out = (result_type(logits, labels.shape, F32), result_type(logits))
-    return jax.ffi.ffi_call("jax_ls2_cross_entropy_fwd_grad", out, vmap_method="sequential")(
-        logits, labels, scale, valid_vocab=np.int64(valid_vocab), **_attrs(**static))
+def _loss_types(logits, labels, *arrays, **static):
+    return (result_type(logits, labels.shape, F32),)
 
 
-def _bwd_cuda(logits, labels, dloss, **static):
-    out = (result_type(logits),)
-    return jax.ffi.ffi_call("jax_ls2_cross_entropy_bwd", out, vmap_method="broadcast_all")(
-        logits, labels, dloss, **_attrs(**static))
+def _loss_grad_types(logits, labels, *arrays, **static):
+    return result_type(logits, labels.shape, F32), result_type(logits)
 
 
-def _scale_cuda(g, scale):
-    return jax.ffi.ffi_call("jax_ls2_cross_entropy_scale", (result_type(g),), vmap_method="sequential",
-                            input_output_aliases={0: 0})(g, scale)
+def _grad_types(logits, *arrays, **static):
+    return (result_type(logits),)
 
 
 _X, _Y, _P = Role(ROWS, 1), Role(ROWS, 0), Role(PARAM)
-_FWD = FusedKernel("jax_ls2_cross_entropy_fwd", _fwd_reference, _fwd_cuda,
-                   operands=(_X, _Y), results=(_Y,))
-_FWD_GRAD = FusedKernel("jax_ls2_cross_entropy_fwd_grad", _fwd_grad_reference, _fwd_grad_cuda,
-                        operands=(_X, _Y, _P), results=(_Y, _X))
-_BWD = FusedKernel("jax_ls2_cross_entropy_bwd", _bwd_reference, _bwd_cuda,
-                   operands=(_X, _Y, _Y), results=(_X,))
-_SCALE = FusedKernel("jax_ls2_cross_entropy_scale", _scale_reference, _scale_cuda,
-                     operands=(_X, _P), results=(_X,))
+_FWD = FusedKernel("jax_ls2_cross_entropy_fwd", _fwd_reference, operands=(_X, _Y), results=(_Y,),
+                   result_types=_loss_types, attrs=_attrs, vmap_method="broadcast_all")
+_FWD_GRAD = FusedKernel("jax_ls2_cross_entropy_fwd_grad", _fwd_grad_reference, operands=(_X, _Y, _P),
+                        results=(_Y, _X), result_types=_loss_grad_types, attrs=_loss_grad_attrs,
+                        vmap_method="sequential")
+_BWD = FusedKernel("jax_ls2_cross_entropy_bwd", _bwd_reference, operands=(_X, _Y, _Y), results=(_X,),
+                   result_types=_grad_types, attrs=_attrs, vmap_method="broadcast_all")
+# In place: the gradient buffer is multiplied by the cotangent.
+_SCALE = FusedKernel("jax_ls2_cross_entropy_scale", _scale_reference, operands=(_X, _P), results=(_X,),
+                     result_types=_grad_types, vmap_method="sequential", input_output_aliases={0: 0})
 
 
 # ---------------------------------------------------------------- custom_vjp

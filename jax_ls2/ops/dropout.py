@@ -98,87 +98,49 @@ def _bad_bwd_ref(dy, x, bias, seed, *, activation, threshold, scale, seq_first):
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(x, threshold, scale, seq_first):
+def _attrs(x, *arrays, threshold, scale, seq_first, activation=None):
+    # x (or dy) is the first operand of every kernel here.
     seq_batch = x.shape[1] if seq_first and threshold else 0
-    return dict(threshold=np.int64(threshold), scale=np.float32(scale), seq_batch=np.int64(seq_batch))
+    attrs = dict(threshold=np.int64(threshold), scale=np.float32(scale), seq_batch=np.int64(seq_batch))
+    if activation is not None:
+        attrs["activation"] = np.int64(_ACT_CODE[activation])
+    return attrs
 
 
-def _bwd_types(x):
+def _fwd_types(x, *arrays, **static):
+    return (result_type(x),)
+
+
+def _bwd_types(x, *arrays, **static):
+    # dx, dbias, then the workspace of partial dbias rows.
     h = x.shape[-1]
     return result_type(x), result_type(x, (h,), F32), result_type(x, (_MAX_PARTS, h), F32)
 
 
-def _bdr_fwd_cuda(x, bias, residual, seed, *, threshold, scale, seq_first):
-    return jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_fwd", (result_type(x),), vmap_method="broadcast_all")(
-        x, bias, residual, seed, **_attrs(x, threshold, scale, seq_first))
-
-
-def _bdr_bwd_cuda(dy, seed, *, threshold, scale, seq_first):
-    dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_dropout_residual_bwd", _bwd_types(dy), vmap_method="sequential")(
-        dy, seed, **_attrs(dy, threshold, scale, seq_first))
-    return dx, db
-
-
-def _bad_fwd_cuda(x, bias, seed, *, activation, threshold, scale, seq_first):
-    return jax.ffi.ffi_call("jax_ls2_bias_act_dropout_fwd", (result_type(x),), vmap_method="broadcast_all")(
-        x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(x, threshold, scale, seq_first))
-
-
-def _bad_bwd_cuda(dy, x, bias, seed, *, activation, threshold, scale, seq_first):
-    dx, db, _ = jax.ffi.ffi_call("jax_ls2_bias_act_dropout_bwd", _bwd_types(x), vmap_method="sequential")(
-        dy, x, bias, seed, activation=np.int64(_ACT_CODE[activation]), **_attrs(x, threshold, scale, seq_first))
-    return dx, db
+def _dropping(static) -> bool:
+    return static["threshold"] != 0
 
 
 _R1, _P, _S = Role(ROWS, 1), Role(PARAM), Role(SEED)
-_BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, _bdr_fwd_cuda,
-                       operands=(_R1, _P, _R1, _S), results=(_R1,))
-_BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, _bdr_bwd_cuda,
-                       operands=(_R1, _S), results=(_R1, Role(SUM)))
-_BAD_FWD = FusedKernel("jax_ls2_bias_act_dropout_fwd", _bad_fwd_ref, _bad_fwd_cuda,
-                       operands=(_R1, _P, _S), results=(_R1,))
-_BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, _bad_bwd_cuda,
-                       operands=(_R1, _R1, _P, _S), results=(_R1, Role(SUM)))
-
-
-# ---------------------------------------------------------------- per-example vmap
-@functools.lru_cache(maxsize=None)
-def _per_example(kernel: FusedKernel, static_items: tuple):
-    """``kernel`` whose vmap rule keeps each example's own mask: with dropout active
-    the examples run one by one (``lax.map``); without it the batch axis is folded
-    into the rows as usual."""
-    static = dict(static_items)
-    call = lambda *a: kernel(*a, **static)
-
-    @jax.custom_batching.custom_vmap
-    def fn(*args):
-        return call(*args)
-
-    @fn.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if static["threshold"] == 0:
-            outs = jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(*args)
-        else:
-            batched = [a for a, b in zip(args, in_batched) if b]
-
-            def one(xs):
-                it = iter(xs)
-                return call(*[next(it) if b else a for a, b in zip(args, in_batched)])
-
-            outs = jax.lax.map(one, batched)
-        return tuple(outs), tuple(True for _ in outs)
-
-    return fn
-
-
-def _run(kernel, *args, **static):
-    return _per_example(kernel, tuple(sorted(static.items())))(*args)
+# With dropout active, vmap runs the examples one by one so each draws its own mask
+# (see the module docstring).
+_KERNEL_OPTIONS = dict(attrs=_attrs, per_example=_dropping)
+_BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, operands=(_R1, _P, _R1, _S),
+                       results=(_R1,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
+_BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, operands=(_R1, _S),
+                       results=(_R1, Role(SUM)), result_types=_bwd_types, vmap_method="sequential",
+                       **_KERNEL_OPTIONS)
+_BAD_FWD = FusedKernel("jax_ls2_bias_act_dropout_fwd", _bad_fwd_ref, operands=(_R1, _P, _S),
+                       results=(_R1,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
+_BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, operands=(_R1, _R1, _P, _S),
+                       results=(_R1, Role(SUM)), result_types=_bwd_types, vmap_method="sequential",
+                       **_KERNEL_OPTIONS)
 
 
 # ---------------------------------------------------------------- custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first):
-    return _run(_BDR_FWD, x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
+    return _BDR_FWD(x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
                 seq_first=seq_first)[0]
 
 
@@ -193,7 +155,7 @@ def _bdr_vjp_bwd(threshold, scale, seq_first, res, dy):
         # No dropout: dx is dy itself, and a kernel would only copy it; XLA reduces dbias.
         db = jnp.sum(dy, axis=tuple(range(dy.ndim - 1)), dtype=jnp.float32)
         return dy, db.astype(bias_like.dtype), dy, None
-    dx, db = _run(_BDR_BWD, dy, seed, threshold=threshold, scale=scale, seq_first=seq_first)
+    dx, db = _BDR_BWD(dy, seed, threshold=threshold, scale=scale, seq_first=seq_first)
     return dx, db.astype(bias_like.dtype), dy, None
 
 
@@ -202,7 +164,7 @@ _bias_dropout_residual.defvjp(_bdr_vjp_fwd, _bdr_vjp_bwd, optimize_remat=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first):
-    return _run(_BAD_FWD, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
+    return _BAD_FWD(x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
                 scale=scale, seq_first=seq_first)[0]
 
 
@@ -213,7 +175,7 @@ def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale, seq_first):
 
 def _bad_vjp_bwd(activation, threshold, scale, seq_first, res, dy):
     x, bias, seed = res
-    dx, db = _run(_BAD_BWD, dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
+    dx, db = _BAD_BWD(dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
                   scale=scale, seq_first=seq_first)
     return dx, db.astype(bias.dtype), None
 

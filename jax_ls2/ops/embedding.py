@@ -79,13 +79,21 @@ def _bwd_reference(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, 
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _fwd_cuda(ids, positions, table, pos_table, inv_freq, seed, *, scale, pos_mode, padding_idx,
-              has_padding, threshold, keep_scale, out_dtype):
-    out = (result_type(ids, ids.shape + (table.shape[1],), out_dtype),)
-    return jax.ffi.ffi_call("jax_ls2_embedding_fwd", out, vmap_method="broadcast_all")(
-        ids, positions, table, pos_table, inv_freq, seed, scale=np.float32(scale), pos_mode=np.int64(pos_mode),
-        padding_idx=np.int64(padding_idx), has_padding=bool(has_padding), threshold=np.int64(threshold),
-        keep_scale=np.float32(keep_scale))
+def _attrs(*arrays, scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, grad_mode=None, **shapes):
+    attrs = dict(scale=np.float32(scale), pos_mode=np.int64(pos_mode), padding_idx=np.int64(padding_idx),
+                 has_padding=bool(has_padding), threshold=np.int64(threshold), keep_scale=np.float32(keep_scale))
+    if grad_mode is not None:
+        attrs["deterministic"] = grad_mode == "sorted"
+    return attrs
+
+
+def _fwd_types(ids, positions, table, *arrays, out_dtype, **static):
+    return (result_type(ids, ids.shape + (table.shape[1],), out_dtype),)
+
+
+def _bwd_types(ids, positions, dout, seed, *, vocab, max_pos, **static):
+    hidden = dout.shape[-1]
+    return result_type(dout, (vocab, hidden), F32), result_type(dout, (max_pos, hidden), F32)
 
 
 def _order(keys, n):
@@ -93,26 +101,23 @@ def _order(keys, n):
     return jnp.argsort(flat, stable=True).astype(jnp.int32).reshape(keys.shape)
 
 
-def _bwd_cuda(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
-              keep_scale, vocab, max_pos, grad_mode):
-    hidden = dout.shape[-1]
+def _bwd_operands(ids, positions, dout, seed, *, pos_mode, vocab, max_pos, grad_mode, **static):
+    # The kernel also takes the order in which to visit the rows: sorted by id (and by
+    # position) for the reproducible mode; unused (ids passed as a placeholder) otherwise.
     det = grad_mode == "sorted"
     tok_order = _order(ids, vocab) if det else ids
     pos_order = _order(positions, max_pos) if det and pos_mode == _POS_LEARNED else ids
-    out = (result_type(dout, (vocab, hidden), F32), result_type(dout, (max_pos, hidden), F32))
-    return jax.ffi.ffi_call("jax_ls2_embedding_bwd", out, vmap_method="sequential")(
-        dout, ids, positions, seed, tok_order, pos_order, scale=np.float32(scale), pos_mode=np.int64(pos_mode),
-        padding_idx=np.int64(padding_idx), has_padding=bool(has_padding), threshold=np.int64(threshold),
-        keep_scale=np.float32(keep_scale), deterministic=det)
+    return dout, ids, positions, seed, tok_order, pos_order
 
 
 # ids come first in both kernels: the partitioner advances the seed's offset word by
 # the rows of the first ROWS operand before the shard, and the kernels count it in rows.
 _I, _X, _P, _S = Role(ROWS, 0), Role(ROWS, 1), Role(PARAM), Role(SEED)
-_FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, _fwd_cuda,
-                   operands=(_I, _I, _P, _P, _P, _S), results=(_X,))
-_BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, _bwd_cuda,
-                   operands=(_I, _I, _X, _S), results=(Role(SUM), Role(SUM)))
+_FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, operands=(_I, _I, _P, _P, _P, _S), results=(_X,),
+                   result_types=_fwd_types, attrs=_attrs, vmap_method="broadcast_all")
+_BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, operands=(_I, _I, _X, _S),
+                   results=(Role(SUM), Role(SUM)), result_types=_bwd_types, attrs=_attrs,
+                   ffi_operands=_bwd_operands, vmap_method="sequential")
 
 
 # ---------------------------------------------------------------- custom_vjp

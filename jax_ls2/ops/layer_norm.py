@@ -67,68 +67,62 @@ def _stats_types(x):
     return result_type(x, lead, F32), result_type(x, lead, F32)
 
 
-def _fwd_cuda(x, gamma, beta, *, eps):
-    out = (result_type(x),) + _stats_types(x)
-    return jax.ffi.ffi_call("jax_ls2_layer_norm_fwd", out, vmap_method="broadcast_all")(
-        x, gamma, beta, eps=np.float32(eps))
+def _fwd_types(x, gamma, beta, *, eps):
+    return (result_type(x),) + _stats_types(x)
 
 
-def _add_fwd_cuda(x, residual, gamma, beta, *, eps):
-    out = (result_type(x), result_type(x)) + _stats_types(x)
-    return jax.ffi.ffi_call("jax_ls2_add_layer_norm_fwd", out, vmap_method="broadcast_all")(
-        x, residual, gamma, beta, eps=np.float32(eps))
+def _add_fwd_types(x, residual, gamma, beta, *, eps):
+    return (result_type(x), result_type(x)) + _stats_types(x)
 
 
-def _bwd_types(x):
+def _eps_attr(*arrays, eps):
+    return dict(eps=np.float32(eps))
+
+
+def _bwd_types(*arrays):
+    # dx, dgamma, dbeta, then the workspace of partial dgamma/dbeta rows. x is the
+    # last operand but three in every backward variant.
+    x = arrays[-4]
     h = x.shape[-1]
     return (result_type(x), result_type(x, (h,), F32), result_type(x, (h,), F32),
             result_type(x, (_MAX_PARTS, 2, h), F32))
 
 
-def _bwd_cuda(dy, x, gamma, mean, rstd):
-    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_layer_norm_bwd", _bwd_types(x), vmap_method="sequential")(
-        dy, x, gamma, mean, rstd)
-    return dx, dg, db
-
-
-def _add_bwd_cuda(dy, dsum, x, gamma, mean, rstd):
-    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_add_layer_norm_bwd", _bwd_types(x), vmap_method="sequential")(
-        dy, dsum, x, gamma, mean, rstd)
-    return dx, dg, db
-
-
-def _multi_bwd_ref(*args, n_dy, has_dsum):
-    # dy_0 .. dy_{n-1} [, dsum], x, gamma, mean, rstd: the cotangents of y summed in
-    # float32 in this order (as the kernel adds them while loading).
-    dys, rest = args[:n_dy], args[n_dy:]
-    dsum = rest[0] if has_dsum else None
-    x, gamma, mean, rstd = rest[1:] if has_dsum else rest
+def _multi_bwd_ref(x, gamma, mean, rstd, *cts, has_dsum):
+    # cts = dy_0 .. dy_{n-1} [, dsum]: the cotangents of y summed in float32 in this
+    # order (as the kernel adds them while loading).
+    dys = cts[:len(cts) - has_dsum]
     dy = dys[0].astype(F32)
     for d in dys[1:]:
         dy = dy + d.astype(F32)
     dx, dg, db = _bwd_reference(dy, x, gamma, mean, rstd)
-    if dsum is not None:
-        dx = dx + dsum.astype(F32)
+    if has_dsum:
+        dx = dx + cts[-1].astype(F32)
     return dx.astype(x.dtype), dg, db
 
 
-def _multi_bwd_cuda(*args, n_dy, has_dsum):
-    cts = args[:n_dy + has_dsum]
-    x, gamma, mean, rstd = args[n_dy + has_dsum:]
-    dx, dg, db, _ = jax.ffi.ffi_call("jax_ls2_layer_norm_bwd_multi", _bwd_types(x), vmap_method="sequential")(
-        x, gamma, mean, rstd, *cts, has_dsum=np.int32(has_dsum))
-    return dx, dg, db
+def _multi_bwd_types(x, gamma, mean, rstd, *cts, has_dsum):
+    return _bwd_types(x, gamma, mean, rstd)
+
+
+def _has_dsum_attr(*arrays, has_dsum):
+    return dict(has_dsum=np.int32(has_dsum))
 
 
 _R1, _R0, _P = Role(ROWS, 1), Role(ROWS, 0), Role(PARAM)
-_FWD = FusedKernel("jax_ls2_layer_norm_fwd", _fwd_reference, _fwd_cuda,
-                   operands=(_R1, _P, _P), results=(_R1, _R0, _R0))
-_ADD_FWD = FusedKernel("jax_ls2_add_layer_norm_fwd", _add_fwd_reference, _add_fwd_cuda,
-                       operands=(_R1, _R1, _P, _P), results=(_R1, _R1, _R0, _R0))
-_BWD = FusedKernel("jax_ls2_layer_norm_bwd", _bwd_ref, _bwd_cuda,
-                   operands=(_R1, _R1, _P, _R0, _R0), results=(_R1, Role(SUM), Role(SUM)))
-_ADD_BWD = FusedKernel("jax_ls2_add_layer_norm_bwd", _add_bwd_ref, _add_bwd_cuda,
-                       operands=(_R1, _R1, _R1, _P, _R0, _R0), results=(_R1, Role(SUM), Role(SUM)))
+_GRADS = (_R1, Role(SUM), Role(SUM))
+_FWD = FusedKernel("jax_ls2_layer_norm_fwd", _fwd_reference, operands=(_R1, _P, _P), results=(_R1, _R0, _R0),
+                   result_types=_fwd_types, attrs=_eps_attr, vmap_method="broadcast_all")
+_ADD_FWD = FusedKernel("jax_ls2_add_layer_norm_fwd", _add_fwd_reference, operands=(_R1, _R1, _P, _P),
+                       results=(_R1, _R1, _R0, _R0), result_types=_add_fwd_types, attrs=_eps_attr,
+                       vmap_method="broadcast_all")
+_BWD = FusedKernel("jax_ls2_layer_norm_bwd", _bwd_ref, operands=(_R1, _R1, _P, _R0, _R0), results=_GRADS,
+                   result_types=_bwd_types, vmap_method="sequential")
+_ADD_BWD = FusedKernel("jax_ls2_add_layer_norm_bwd", _add_bwd_ref, operands=(_R1, _R1, _R1, _P, _R0, _R0),
+                       results=_GRADS, result_types=_bwd_types, vmap_method="sequential")
+# x, gamma, mean, rstd, then the cotangents; the number of cotangents and has_dsum are
+# static options, so one kernel object serves every count.
+_MULTI_BWD_OPERANDS = (_R1, _P, _R0, _R0)
 
 
 # ---------------------------------------------------------------- custom_vjp
@@ -197,12 +191,10 @@ MAX_COPIES = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _multi_bwd_kernel(n_dy: int, has_dsum: bool) -> FusedKernel:
-    operands = (_R1,) * (n_dy + has_dsum) + (_R1, _P, _R0, _R0)
-    return FusedKernel("jax_ls2_layer_norm_bwd_multi",
-                       functools.partial(_multi_bwd_ref, n_dy=n_dy, has_dsum=has_dsum),
-                       functools.partial(_multi_bwd_cuda, n_dy=n_dy, has_dsum=has_dsum),
-                       operands=operands, results=(_R1, Role(SUM), Role(SUM)))
+def _multi_bwd_kernel(n_cts: int) -> FusedKernel:
+    return FusedKernel("jax_ls2_layer_norm_bwd_multi", _multi_bwd_ref,
+                       operands=_MULTI_BWD_OPERANDS + (_R1,) * n_cts, results=_GRADS,
+                       result_types=_multi_bwd_types, attrs=_has_dsum_attr, vmap_method="sequential")
 
 
 def _distinct_copies(y, copies):
@@ -228,7 +220,7 @@ def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
     # Each copy of y has its own consumers; their cotangents (and, with keep_input, that
     # of x's other uses) are added inside the kernel instead of by separate passes.
     x, gamma, mean, rstd = res
-    dx, dg, db = _multi_bwd_kernel(copies, keep_input)(*cts, x, gamma, mean, rstd)
+    dx, dg, db = _multi_bwd_kernel(len(cts))(x, gamma, mean, rstd, *cts, has_dsum=keep_input)
     return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
 
 

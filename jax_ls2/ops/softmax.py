@@ -62,32 +62,29 @@ def _bwd_reference(dy, scores, bias, mask, stats, seed, *, scale, grad_scale, ca
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(scale, causal, threshold, keep_scale, has_bias, has_mask):
-    return dict(scale=np.float32(scale), threshold=np.int32(threshold), keep_scale=np.float32(keep_scale),
-                causal=bool(causal), has_bias=bool(has_bias), has_mask=bool(has_mask))
+def _attrs(*arrays, scale, causal, threshold, keep_scale, has_bias, has_mask, grad_scale=None):
+    attrs = dict(scale=np.float32(scale), threshold=np.int32(threshold), keep_scale=np.float32(keep_scale),
+                 causal=bool(causal), has_bias=bool(has_bias), has_mask=bool(has_mask))
+    if grad_scale is not None:
+        attrs["grad_scale"] = np.float32(grad_scale)
+    return attrs
 
 
-def _fwd_cuda(scores, bias, mask, seed, *, scale, causal, threshold, keep_scale, has_bias, has_mask):
-    out = (result_type(scores), result_type(scores, scores.shape[:-1] + (2,), F32))
-    return jax.ffi.ffi_call("jax_ls2_softmax_dropout_fwd", out, vmap_method="sequential")(
-        scores, bias, mask, seed, **_attrs(scale, causal, threshold, keep_scale, has_bias, has_mask))
+def _fwd_types(scores, *arrays, **static):
+    return result_type(scores), result_type(scores, scores.shape[:-1] + (2,), F32)
 
 
-def _bwd_cuda(dy, scores, bias, mask, stats, seed, *, scale, grad_scale, causal, threshold, keep_scale,
-              has_bias, has_mask):
-    out = (result_type(scores),)
-    return jax.ffi.ffi_call("jax_ls2_softmax_dropout_bwd", out, vmap_method="sequential")(
-        dy, scores, bias, mask, stats, seed, grad_scale=np.float32(grad_scale),
-        **_attrs(scale, causal, threshold, keep_scale, has_bias, has_mask))
+def _bwd_types(dy, scores, *arrays, **static):
+    return (result_type(scores),)
 
 
 # scores/dy/dx/y: (*batch, q, k) with the q and k dims processed whole (causal needs
 # the true query index), so only the batch-like dims shard; bias and mask broadcast.
 _R2, _B2, _S = Role(ROWS, 2), Role(BCAST, 2), Role(SEED)
-_FWD = FusedKernel("jax_ls2_softmax_dropout_fwd", _fwd_reference, _fwd_cuda,
-                   operands=(_R2, _B2, _B2, _S), results=(_R2, _R2))
-_BWD = FusedKernel("jax_ls2_softmax_dropout_bwd", _bwd_reference, _bwd_cuda,
-                   operands=(_R2, _R2, _B2, _B2, _R2, _S), results=(_R2,))
+_FWD = FusedKernel("jax_ls2_softmax_dropout_fwd", _fwd_reference, operands=(_R2, _B2, _B2, _S),
+                   results=(_R2, _R2), result_types=_fwd_types, attrs=_attrs, vmap_method="sequential")
+_BWD = FusedKernel("jax_ls2_softmax_dropout_bwd", _bwd_reference, operands=(_R2, _R2, _B2, _B2, _R2, _S),
+                   results=(_R2,), result_types=_bwd_types, attrs=_attrs, vmap_method="sequential")
 
 
 # ---------------------------------------------------------------- custom_vjp

@@ -1,5 +1,12 @@
-"""Constants shared with ``csrc/kernels/optimizer.h``: hyper-parameter slots of the
-``hp`` vector, mode bits of the ``flags`` attribute and algorithm codes."""
+"""Constants shared with ``csrc/kernels/optimizer.h``, the only Python copy of them:
+the flat layout's padding and per-launch limits, hyper-parameter slots of the ``hp``
+vector, mode bits of the ``flags`` attribute and algorithm codes."""
+
+# Layout and launch limits.
+PAD = 16            # kPad: flat offsets are multiples of this many elements
+MAX_LEAVES = 256    # kMaxLeaves: leaves per kernel launch
+NORM_BLOCKS = 512   # kNormBlocks: blocks of the norm pass, per launch
+HP_SIZE = 16        # kHpSize: length of the hp vector
 
 # Hp: slots of the (HP_SIZE,) float32 hyper-parameter vector.
 LR, B1, B2, ONE_MINUS_B1, ONE_MINUS_B2, EPS, EPS_ROOT, WD, INV_BC1, INV_BC2, INV_SCALE, MAX_NORM, GRAD_MULT = range(13)

@@ -2,8 +2,6 @@
 occupies ``[offset[i], offset[i] + size[i])`` of every flat optimizer buffer
 (moments, master weights, accumulated gradients). Offsets are multiples of ``PAD``
 elements so each leaf starts 64-byte aligned; padding elements stay zero.
-
-The constants mirror ``csrc/kernels/optimizer.h``.
 """
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PAD = 16            # kPad
-MAX_LEAVES = 256    # kMaxLeaves: leaves per kernel launch
-NORM_BLOCKS = 512   # kNormBlocks
-HP_SIZE = 16        # kHpSize
+from jax_ls2.optim._abi import MAX_LEAVES, NORM_BLOCKS, PAD
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 

@@ -1,18 +1,19 @@
-"""The fused transformation shared by adam, adamw and sgd: state, hyper-parameters,
-loss scaling, and the standard (updates) and fused (new params) steps."""
+"""The fused transformation shared by adam, adamw and sgd: its type
+(`FusedGradientTransformation`), state, hyper-parameters, loss scaling, and the
+standard (updates) and fused (new params) steps."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+import functools
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from optax._src import numerics
 
 from jax_ls2.optim import _abi as A
-from jax_ls2.optim import _kernels
-from jax_ls2.optim._layout import HP_SIZE, Layout, check_float_leaves, flatten, layout_of
+from jax_ls2.optim import _ffi_calls
+from jax_ls2.optim._layout import check_float_leaves, flatten, layout_of
+from jax_ls2.optim._options import PrecisionOptions
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 
@@ -50,6 +51,9 @@ class FlatGrads(NamedTuple):
 
 
 class Config(NamedTuple):
+    """What one factory call fixed: the algorithm, its hyper-parameters (optax's
+    arguments; numbers, traced scalars or, for the learning rate, a schedule) and the
+    precision options."""
     name: str
     algo: int
     learning_rate: Any
@@ -57,56 +61,35 @@ class Config(NamedTuple):
     b2: Any
     eps: Any
     eps_root: Any
-    weight_decay: Any
+    weight_decay: Any        # None: no decay term at all
     mask: Any
     nesterov: bool
     has_mu: bool
     has_nu: bool
-    moment_dtype: Any
-    master_weights: bool
-    stochastic_rounding: bool
-    seed: Any
-    loss_scale: Any          # None, a number, or "dynamic"
-    initial_loss_scale: Any
-    growth_interval: Any
-    growth_factor: Any
-    backoff_factor: Any
-    min_loss_scale: Any
-    max_grad_norm: Any
-    skip_nonfinite: bool
+    options: PrecisionOptions
 
 
 def _check(cfg: Config) -> None:
     fn = cfg.name
-    if cfg.moment_dtype is not None and jnp.dtype(cfg.moment_dtype) not in (jnp.dtype(jnp.float32),
-                                                                           jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"{fn}: moment_dtype must be float32 or bfloat16, got {jnp.dtype(cfg.moment_dtype)}")
-    if isinstance(cfg.loss_scale, str) and cfg.loss_scale != "dynamic":
-        raise ValueError(f"{fn}: loss_scale must be None, a number or 'dynamic', got {cfg.loss_scale!r}")
-    if cfg.loss_scale is not None and not isinstance(cfg.loss_scale, str):
-        if isinstance(cfg.loss_scale, (int, float)) and not cfg.loss_scale > 0:
-            raise ValueError(f"{fn}: loss_scale must be positive, got {cfg.loss_scale}")
+    cfg.options.check(fn)
     if cfg.mask is not None and cfg.weight_decay is None:
         raise ValueError(f"{fn}: mask given without weight_decay")
     if isinstance(cfg.learning_rate, (int, float)) and not cfg.learning_rate >= 0:
         raise ValueError(f"{fn}: learning_rate must be >= 0, got {cfg.learning_rate}")
 
 
-def _moment_dtype(cfg: Config):
-    return jnp.dtype(cfg.moment_dtype) if cfg.moment_dtype is not None else jnp.dtype(jnp.float32)
-
-
 def _flags(cfg: Config, *, apply: bool, flat: bool) -> int:
+    o = cfg.options
     f = 0
     f |= A.APPLY if apply else 0
     f |= A.HAS_MU if cfg.has_mu else 0
     f |= A.HAS_NU if cfg.has_nu else 0
-    f |= A.MASTER if cfg.master_weights else 0
-    f |= A.CHECK if (cfg.skip_nonfinite or cfg.loss_scale == "dynamic") else 0
-    f |= A.CLIP if cfg.max_grad_norm is not None else 0
-    f |= A.SR if cfg.stochastic_rounding else 0
+    f |= A.MASTER if o.master_weights else 0
+    f |= A.CHECK if o.checks_finite else 0
+    f |= A.CLIP if o.max_grad_norm is not None else 0
+    f |= A.SR if o.stochastic_rounding else 0
     f |= A.NESTEROV if cfg.nesterov else 0
-    f |= A.MOMENT_BF16 if _moment_dtype(cfg) == jnp.dtype(jnp.bfloat16) else 0
+    f |= A.MOMENT_BF16 if o.moment == jnp.dtype(jnp.bfloat16) else 0
     f |= A.FLAT_GRADS if flat else 0
     f |= A.REPORT if not f & (A.CHECK | A.CLIP) else 0
     return f
@@ -129,29 +112,29 @@ def _decay_mask(cfg: Config, params, n: int) -> tuple:
     return tuple(out)
 
 
-def _initial_scale(cfg: Config):
-    if cfg.loss_scale is None:
+def _initial_scale(options: PrecisionOptions):
+    if options.loss_scale is None:
         return jnp.float32(1.0)
-    if cfg.loss_scale == "dynamic":
-        return jnp.asarray(cfg.initial_loss_scale, jnp.float32)
-    return jnp.asarray(cfg.loss_scale, jnp.float32)
+    if options.dynamic:
+        return jnp.asarray(options.initial_loss_scale, jnp.float32)
+    return jnp.asarray(options.loss_scale, jnp.float32)
 
 
 def init_state(cfg: Config, params) -> FusedState:
     _check(cfg)
+    o = cfg.options
     leaves = jax.tree.leaves(params)
     check_float_leaves(cfg.name, "params", leaves)
     layout = layout_of(leaves)
-    mdt = _moment_dtype(cfg)
-    zeros = lambda: jnp.zeros((layout.total,), mdt)
-    seed = jnp.asarray(cfg.seed).astype(jnp.uint32).reshape(())
+    zeros = lambda: jnp.zeros((layout.total,), o.moment)
+    seed = jnp.asarray(o.seed).astype(jnp.uint32).reshape(())
     return FusedState(
         count=jnp.zeros((), jnp.int32),
         mu=zeros() if cfg.has_mu else None,
         nu=zeros() if cfg.has_nu else None,
-        master=flatten(leaves, layout, jnp.float32) if cfg.master_weights else None,
+        master=flatten(leaves, layout, jnp.float32) if o.master_weights else None,
         rng=jnp.stack([seed, jnp.uint32(0x9E3779B9)]),
-        loss_scale=_initial_scale(cfg),
+        loss_scale=_initial_scale(o),
         good_steps=jnp.zeros((), jnp.int32),
         grad_norm=jnp.zeros((), jnp.float32),
         finite=jnp.ones((), jnp.bool_),
@@ -168,7 +151,7 @@ def _hyper(cfg: Config, state: FusedState, count_inc) -> jax.Array:
         bc2 = 1 - b2 ** count_inc
     else:
         bc1 = bc2 = 1.0
-    vals = [0.0] * HP_SIZE
+    vals = [0.0] * A.HP_SIZE
     vals[A.LR] = lr
     vals[A.B1] = b1
     vals[A.B2] = b2
@@ -182,32 +165,49 @@ def _hyper(cfg: Config, state: FusedState, count_inc) -> jax.Array:
     vals[A.INV_BC1] = jnp.float32(1) / jnp.asarray(bc1, jnp.float32)
     vals[A.INV_BC2] = jnp.float32(1) / jnp.asarray(bc2, jnp.float32)
     vals[A.INV_SCALE] = 1.0 / state.loss_scale
-    vals[A.MAX_NORM] = cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0
+    vals[A.MAX_NORM] = cfg.options.max_grad_norm if cfg.options.max_grad_norm is not None else 0.0
     vals[A.GRAD_MULT] = 1.0
     return jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in vals])
 
 
-def _next_scale(cfg: Config, state: FusedState, finite):
-    if cfg.loss_scale != "dynamic":
+def _next_scale(options: PrecisionOptions, state: FusedState, finite):
+    if not options.dynamic:
         return state.loss_scale, state.good_steps
     good = state.good_steps + 1
-    grow = good >= cfg.growth_interval
+    grow = good >= options.growth_interval
     scale = state.loss_scale
-    grown = jnp.where(grow, scale * cfg.growth_factor, scale)
-    lowered = jnp.maximum(scale * cfg.backoff_factor, jnp.asarray(cfg.min_loss_scale, jnp.float32))
+    grown = jnp.where(grow, scale * options.growth_factor, scale)
+    lowered = jnp.maximum(scale * options.backoff_factor, jnp.asarray(options.min_loss_scale, jnp.float32))
     new_scale = jnp.where(finite, grown, lowered).astype(jnp.float32)
     new_good = jnp.where(finite, jnp.where(grow, 0, good), 0).astype(jnp.int32)
     return new_scale, new_good
+
+
+def _params_stand_in(cfg: Config, grads, *, apply: bool):
+    """Without params (optax allows ``update(grads, state)`` where the math does not
+    read them) the kernel's params operands are the grads themselves: it reads params
+    only for weight decay, master weights and the fused apply, refused here."""
+    fn = cfg.name
+    if apply:
+        raise ValueError(f"{fn}: params are required to apply the update")
+    if cfg.options.master_weights:
+        raise ValueError(f"{fn}: params are required with master_weights=True (the update is the new master "
+                         "minus the params)")
+    if isinstance(grads, FlatGrads):
+        raise ValueError(f"{fn}: params are required with FlatGrads (they give the tree structure)")
+    if cfg.weight_decay is not None and not (isinstance(cfg.weight_decay, (int, float)) and cfg.weight_decay == 0):
+        raise ValueError(f"{fn}: params are required with weight decay (the decay term reads them)")
+    return grads
 
 
 def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     """One fused step. Returns (outs, new_state): outs are the updates (a pytree like
     params in the grads' dtypes) or, with ``apply``, the new params."""
     fn = cfg.name
-    if params is None:
-        raise ValueError(f"{fn}: params are required (the fused update reads them)")
     if not isinstance(state, FusedState):
         raise TypeError(f"{fn}: state must be a FusedState from this optimizer's init, got {type(state).__name__}")
+    if params is None:
+        params = _params_stand_in(cfg, grads, apply=apply)
     p_leaves, treedef = jax.tree.flatten(params)
     check_float_leaves(fn, "params", p_leaves)
     layout = layout_of(p_leaves)
@@ -229,18 +229,18 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
         if buf is not None and buf.shape != (layout.total,):
             raise ValueError(f"{fn}: state.{name} must have shape ({layout.total},) for these params, "
                              f"got {tuple(buf.shape)}")
-    count_inc = numerics.safe_increment(state.count)
+    count_inc = optax.safe_increment(state.count)
     hp = _hyper(cfg, state, count_inc)
     seed = jnp.concatenate([state.rng.astype(jnp.uint32),
                             jnp.stack([count_inc.astype(jnp.uint32), jnp.uint32(0)])])
     flags = _flags(cfg, apply=apply, flat=flat)
-    outs, mu, nu, master, stats = _kernels.fused_update(
+    outs, mu, nu, master, stats = _ffi_calls.fused_update(
         g_leaves, p_leaves, state.mu, state.nu, state.master, hp, seed,
         algo=cfg.algo, flags=flags, layout=layout, decay=_decay_mask(cfg, params, len(p_leaves)))
     checked = bool(flags & A.CHECK)
     # Every mode reports whether the gradients were finite; only CHECK acts on it.
     finite = stats[1] > 0
-    scale, good = _next_scale(cfg, state, finite)
+    scale, good = _next_scale(cfg.options, state, finite)
     new_state = FusedState(
         count=jnp.where(finite, count_inc, state.count) if checked else count_inc,
         mu=mu, nu=nu, master=master, rng=state.rng, loss_scale=scale, good_steps=good,
@@ -249,18 +249,33 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     return jax.tree.unflatten(treedef, outs), new_state
 
 
-def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
-    _check(cfg)
+class FusedUpdate:
+    """The ``update`` of a fused transformation, ``(updates, state, params=None,
+    **extra_args) -> (updates, state)`` as optax calls it, plus `apply`, the fused step
+    that writes the new params."""
 
-    def init_fn(params):
-        return init_state(cfg, params)
+    def __init__(self, cfg: Config):
+        self.config = cfg
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def __call__(self, updates, state, params=None, **extra_args):
         del extra_args
-        return step(cfg, updates, state, params, apply=False)
+        return step(self.config, updates, state, params, apply=False)
 
-    def apply_fn(grads, state, params):
-        return step(cfg, grads, state, params, apply=True)
+    def apply(self, grads, state, params):
+        return step(self.config, grads, state, params, apply=True)
 
-    update_fn.fused_apply = apply_fn
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+class FusedGradientTransformation(optax.GradientTransformationExtraArgs):
+    """An optax transformation whose step can also write the new params in the same
+    pass; ``jax_ls2.optim.apply_updates`` takes only this type. ``init`` and ``update``
+    are optax's; ``update`` is a `FusedUpdate`."""
+    __slots__ = ()
+
+    def apply(self, grads, state, params):
+        """``(new_params, new_state)`` in one fused pass (see ``apply_updates``)."""
+        return self.update.apply(grads, state, params)
+
+
+def make(cfg: Config) -> FusedGradientTransformation:
+    _check(cfg)
+    return FusedGradientTransformation(functools.partial(init_state, cfg), FusedUpdate(cfg))

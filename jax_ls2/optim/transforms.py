@@ -1,8 +1,9 @@
 """Fused optimizers for optax: adamw, adam, sgd.
 
-Each factory returns an ``optax.GradientTransformationExtraArgs`` whose state is a
-`FusedState` holding the optimizer state as flat buffers, so one custom call updates
-the whole pytree. Use ``tx.update`` (standard optax contract: updates, then
+Each factory takes optax's arguments in optax's order, then jax_ls2's precision
+options as keywords (`PrecisionOptions`), and returns a `FusedGradientTransformation`
+(an ``optax.GradientTransformationExtraArgs``) whose state is a `FusedState` holding
+the optimizer state as flat buffers, so one custom call updates the whole pytree. Use ``tx.update`` (standard optax contract: updates, then
 ``optax.apply_updates``) or ``jax_ls2.optim.apply_updates(tx, grads, state, params)``,
 which writes the new params in the same pass (in place under ``jit`` with donation).
 
@@ -26,89 +27,66 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
-import jax.numpy as jnp
-import optax
-
 from jax_ls2.optim import _abi as A
-from jax_ls2.optim._core import Config, ScalarOrSchedule, make
+from jax_ls2.optim._options import PrecisionOptions, precision_keywords
+from jax_ls2.optim._transformation import Config, FusedGradientTransformation, ScalarOrSchedule, make
 
 
-def _common(name, algo, learning_rate, *, b1, b2, eps, eps_root, weight_decay, mask, nesterov, has_mu,
-            has_nu, moment_dtype, master_weights, stochastic_rounding, seed, loss_scale, initial_loss_scale,
-            growth_interval, growth_factor, backoff_factor, min_loss_scale, max_grad_norm, skip_nonfinite):
-    return make(Config(
-        name=name, algo=algo, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-        weight_decay=weight_decay, mask=mask, nesterov=bool(nesterov), has_mu=has_mu, has_nu=has_nu,
-        moment_dtype=moment_dtype, master_weights=bool(master_weights),
-        stochastic_rounding=bool(stochastic_rounding), seed=seed, loss_scale=loss_scale,
-        initial_loss_scale=initial_loss_scale, growth_interval=growth_interval, growth_factor=growth_factor,
-        backoff_factor=backoff_factor, min_loss_scale=min_loss_scale, max_grad_norm=max_grad_norm,
-        skip_nonfinite=bool(skip_nonfinite)))
-
-
+@precision_keywords
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          eps_root: float = 0.0, weight_decay: float = 1e-4, mask: Optional[Union[Any, Callable]] = None, *,
-          moment_dtype=None, master_weights: bool = False, stochastic_rounding: bool = False, seed: int = 0,
-          loss_scale: Union[None, float, str] = None, initial_loss_scale: float = 2.0 ** 15,
-          growth_interval: int = 2000, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-          min_loss_scale: float = 1.0, max_grad_norm: Optional[float] = None,
-          skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
-    """Fused AdamW; with the defaults of the float32 path the same math as ``optax.adamw``.
+          eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float = 1e-4,
+          mask: Optional[Union[Any, Callable]] = None, *, nesterov: bool = False,
+          **options) -> FusedGradientTransformation:
+    """Fused AdamW; with float32 params the same math as ``optax.adamw``, with optax's
+    arguments in optax's order.
 
     Args:
       learning_rate: float, schedule ``count -> lr`` or traced scalar.
       b1, b2, eps, eps_root, weight_decay: as in optax (may be traced).
+      mu_dtype: None or float32 (float32 moments), or bfloat16 together with
+        ``moment_dtype=jnp.bfloat16`` (the kernel stores both moments in one dtype).
       mask: pytree of Python bools like params (or a callable params -> such a pytree):
         True where weight decay applies.
-      moment_dtype: float32 (default) or bfloat16 for both moments, shape (total,).
-      master_weights: keep a float32 (total,) master copy of the params in the state.
-      stochastic_rounding, seed: stochastic rounding of float16/bfloat16 params written by
-        ``apply_updates`` without master weights.
-      loss_scale, initial_loss_scale, growth_interval, growth_factor, backoff_factor,
-        min_loss_scale: loss scaling (see the module docstring); gradients are divided by
-        the state's ``loss_scale``.
-      max_grad_norm: clip by global norm (as ``optax.clip_by_global_norm``), or None.
-      skip_nonfinite: skip the step (params and moments untouched) on inf/NaN gradients.
+      nesterov: not supported by the fused kernel (True raises).
+      **options: the precision options, see `PrecisionOptions`.
     """
-    return _common("adamw", A.ADAM, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                   weight_decay=weight_decay, mask=mask, nesterov=False, has_mu=True, has_nu=True,
-                   moment_dtype=moment_dtype, master_weights=master_weights,
-                   stochastic_rounding=stochastic_rounding, seed=seed, loss_scale=loss_scale,
-                   initial_loss_scale=initial_loss_scale, growth_interval=growth_interval,
-                   growth_factor=growth_factor, backoff_factor=backoff_factor, min_loss_scale=min_loss_scale,
-                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    return _adam("adamw", learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov, options)
 
 
+@precision_keywords
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-         eps_root: float = 0.0, *, moment_dtype=None, master_weights: bool = False,
-         stochastic_rounding: bool = False, seed: int = 0, loss_scale: Union[None, float, str] = None,
-         initial_loss_scale: float = 2.0 ** 15, growth_interval: int = 2000, growth_factor: float = 2.0,
-         backoff_factor: float = 0.5, min_loss_scale: float = 1.0, max_grad_norm: Optional[float] = None,
-         skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
-    """Fused Adam (``adamw`` without weight decay); the same math as ``optax.adam``."""
-    return _common("adam", A.ADAM, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                   weight_decay=None, mask=None, nesterov=False, has_mu=True, has_nu=True,
-                   moment_dtype=moment_dtype, master_weights=master_weights,
-                   stochastic_rounding=stochastic_rounding, seed=seed, loss_scale=loss_scale,
-                   initial_loss_scale=initial_loss_scale, growth_interval=growth_interval,
-                   growth_factor=growth_factor, backoff_factor=backoff_factor, min_loss_scale=min_loss_scale,
-                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+         eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False,
+         **options) -> FusedGradientTransformation:
+    """Fused Adam (``adamw`` without weight decay); the same math as ``optax.adam``.
+    ``**options``: the precision options, see `PrecisionOptions`."""
+    return _adam("adam", learning_rate, b1, b2, eps, eps_root, mu_dtype, None, None, nesterov, options)
 
 
-def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None, nesterov: bool = False, *,
-        weight_decay: Optional[float] = None, mask: Optional[Union[Any, Callable]] = None,
-        moment_dtype=None, master_weights: bool = False, stochastic_rounding: bool = False, seed: int = 0,
-        loss_scale: Union[None, float, str] = None, initial_loss_scale: float = 2.0 ** 15,
-        growth_interval: int = 2000, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-        min_loss_scale: float = 1.0, max_grad_norm: Optional[float] = None,
-        skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+def _adam(name, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov, options):
+    if nesterov:
+        raise ValueError(f"{name}: nesterov=True is not supported by the fused kernel (use optax.{name})")
+    opts = PrecisionOptions.from_keywords(name, options).with_moment_dtype(name, "mu_dtype", mu_dtype)
+    return make(Config(name=name, algo=A.ADAM, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                       eps_root=eps_root, weight_decay=weight_decay, mask=mask, nesterov=False, has_mu=True,
+                       has_nu=True, options=opts))
+
+
+@precision_keywords
+def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None, nesterov: bool = False,
+        accumulator_dtype: Any = None, *, weight_decay: Optional[float] = None,
+        mask: Optional[Union[Any, Callable]] = None, **options) -> FusedGradientTransformation:
     """Fused SGD with optional (Nesterov) momentum, the same math as ``optax.sgd``
-    (momentum buffer ``t = g + momentum * t``); ``weight_decay`` adds ``wd * p`` to the
-    direction before the learning rate, on leaves selected by ``mask``."""
-    return _common("sgd", A.SGD, learning_rate, b1=momentum, b2=None, eps=0.0, eps_root=0.0,
-                   weight_decay=weight_decay, mask=mask, nesterov=nesterov, has_mu=momentum is not None,
-                   has_nu=False, moment_dtype=moment_dtype, master_weights=master_weights,
-                   stochastic_rounding=stochastic_rounding, seed=seed, loss_scale=loss_scale,
-                   initial_loss_scale=initial_loss_scale, growth_interval=growth_interval,
-                   growth_factor=growth_factor, backoff_factor=backoff_factor, min_loss_scale=min_loss_scale,
-                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    (momentum buffer ``t = g + momentum * t``), with optax's arguments in optax's order.
+
+    Args:
+      accumulator_dtype: None, float32 or bfloat16: the momentum buffer's dtype (the
+        same as ``moment_dtype``).
+      weight_decay, mask: ``wd * p`` added to the direction before the learning rate,
+        on leaves selected by ``mask`` (jax_ls2's addition).
+      **options: the precision options, see `PrecisionOptions`.
+    """
+    opts = PrecisionOptions.from_keywords("sgd", options).with_moment_dtype("sgd", "accumulator_dtype",
+                                                                          accumulator_dtype)
+    return make(Config(name="sgd", algo=A.SGD, learning_rate=learning_rate, b1=momentum, b2=None, eps=0.0,
+                       eps_root=0.0, weight_decay=weight_decay, mask=mask, nesterov=bool(nesterov),
+                       has_mu=momentum is not None, has_nu=False, options=opts))

@@ -1,0 +1,110 @@
+"""The precision and scaling options shared by adamw, adam and sgd, defined once.
+
+The factories take them as keywords after optax's own arguments
+(``adamw(1e-3, master_weights=True, loss_scale="dynamic")``) and gather them into one
+`PrecisionOptions`; `precision_keywords` writes the fields into the factory's signature,
+so ``inspect.signature`` (and ``optax.inject_hyperparams``, which binds arguments by
+it) sees each option by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Optional, Union
+
+import jax.numpy as jnp
+
+MOMENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOptions:
+    """Precision modes and loss scaling of a fused optimizer.
+
+    moment_dtype: float32 (default, None) or bfloat16, the dtype of every (total,) flat
+      moment buffer (the kernel stores mu and nu in one dtype).
+    master_weights: keep a float32 (total,) master copy of the params in the state.
+    stochastic_rounding, seed: stochastic rounding of float16/bfloat16 params written by
+      ``apply_updates`` without master weights, keyed by `seed` and the step.
+    loss_scale: None, a positive number, or "dynamic" (non-finite gradients skip the step
+      and multiply the scale by `backoff_factor`, never below `min_loss_scale`;
+      `growth_interval` finite steps in a row multiply it by `growth_factor`; it starts
+      at `initial_loss_scale`). Gradients are divided by the state's ``loss_scale``.
+    max_grad_norm: clip by the global norm of the unscaled gradients (as
+      ``optax.clip_by_global_norm``), or None.
+    skip_nonfinite: skip the step (params and moments untouched) on inf/NaN gradients.
+    """
+    moment_dtype: Any = None
+    master_weights: bool = False
+    stochastic_rounding: bool = False
+    seed: Any = 0
+    loss_scale: Union[None, float, str] = None
+    initial_loss_scale: float = 2.0 ** 15
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_loss_scale: float = 1.0
+    max_grad_norm: Optional[float] = None
+    skip_nonfinite: bool = False
+
+    @classmethod
+    def from_keywords(cls, fn: str, keywords: dict) -> "PrecisionOptions":
+        """The options named in `keywords`; an unknown name raises a TypeError naming `fn`."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise TypeError(f"{fn}: unexpected keyword argument(s) {', '.join(unknown)}; the precision "
+                            f"options are {', '.join(names)}")
+        opts = cls(**keywords)
+        opts.check(fn)
+        return opts
+
+    @property
+    def moment(self) -> jnp.dtype:
+        """The dtype of the flat moment buffers."""
+        return jnp.dtype(self.moment_dtype) if self.moment_dtype is not None else jnp.dtype(jnp.float32)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the loss scale is dynamic (a number may be traced, so compare strings only)."""
+        return isinstance(self.loss_scale, str) and self.loss_scale == "dynamic"
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether a step with inf/NaN gradients is skipped."""
+        return bool(self.skip_nonfinite) or self.dynamic
+
+    def check(self, fn: str) -> None:
+        if self.moment_dtype is not None and jnp.dtype(self.moment_dtype) not in MOMENT_DTYPES:
+            raise TypeError(f"{fn}: moment_dtype must be float32 or bfloat16, got {jnp.dtype(self.moment_dtype)}")
+        if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
+            raise ValueError(f"{fn}: loss_scale must be None, a number or 'dynamic', got {self.loss_scale!r}")
+        if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
+            raise ValueError(f"{fn}: loss_scale must be positive, got {self.loss_scale}")
+
+    def with_moment_dtype(self, fn: str, argument: str, dtype) -> "PrecisionOptions":
+        """These options with optax's `argument` (``mu_dtype`` / ``accumulator_dtype``)
+        folded into ``moment_dtype``; a dtype the kernel cannot store, or one that
+        contradicts ``moment_dtype``, raises."""
+        if dtype is None:
+            return self
+        dt = jnp.dtype(dtype)
+        if dt not in MOMENT_DTYPES:
+            raise TypeError(f"{fn}: {argument} must be None, float32 or bfloat16, got {dt}")
+        if self.moment_dtype is not None and self.moment != dt:
+            raise ValueError(f"{fn}: {argument}={dt} contradicts moment_dtype={self.moment}")
+        if argument == "mu_dtype" and dt != jnp.dtype(jnp.float32) and self.moment_dtype is None:
+            raise ValueError(f"{fn}: mu_dtype={dt} alone is not supported (the fused kernel stores mu and nu "
+                             f"in one dtype); pass moment_dtype=jnp.bfloat16 for bfloat16 mu and nu")
+        return dataclasses.replace(self, moment_dtype=dt)
+
+
+def precision_keywords(factory):
+    """Decorator: `factory`'s ``**options`` shown in its signature as one keyword-only
+    parameter per `PrecisionOptions` field, with the field's default."""
+    sig = inspect.signature(factory)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+               for f in dataclasses.fields(PrecisionOptions)]
+    factory.__signature__ = sig.replace(parameters=params)
+    return factory
