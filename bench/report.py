@@ -3,7 +3,7 @@
     python -m bench.report append DIR --run NAME   # a run's CSVs (any benchmark) into the history
     python -m bench.report runs                    # every run, oldest first; the last is the latest
     python -m bench.report models [--run RUN]      # the zoo against its plain-Flax twins (Markdown)
-    python -m bench.report ops [--run RUN]         # the fused ops against XLA (Markdown)
+    python -m bench.report ops [--run RUN] [--default-only]  # the fused ops against XLA (Markdown)
 
 RUN is a run name as `runs` lists it, or a prefix of several (a folder of a run), or
 "latest" (the default): the last run in the file that has rows of the table's kind.
@@ -132,8 +132,10 @@ def models_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def ops_table(rows: list) -> str:
-    table = _pivot([r for r in rows if r["impl"].startswith("jax_ls2")], ("op", "shape", "dtype", "pass", "impl"))
+def ops_table(rows: list, default_only: bool = False) -> str:
+    """jax_ls2's rows against XLA; `default_only`: without launch-option variants."""
+    ours = [r for r in rows if r["impl"] == "jax_ls2" or (r["impl"].startswith("jax_ls2") and not default_only)]
+    table = _pivot(ours, ("op", "shape", "dtype", "pass", "impl"))
     lines = [_source(rows), "",
              "| op | shape | dtype | pass | ms | % copy BW | x XLA | device ms | device % copy BW | device x XLA |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -164,6 +166,8 @@ def main(argv=None):
     for name in ("models", "ops"):
         t = sub.add_parser(name, help=f"Markdown table of the {name} rows of one run")
         t.add_argument("--run", default="latest")
+        if name == "ops":
+            t.add_argument("--default-only", action="store_true", help="leave out launch-option variants")
     args = p.parse_args(argv)
     if args.cmd == "append":
         if not os.path.isdir(args.folder):
@@ -180,7 +184,7 @@ def main(argv=None):
     elif args.cmd == "models":
         print(models_table(select(read(args.csv), args.run, is_model_row)))
     else:
-        print(ops_table(select(read(args.csv), args.run, is_op_row)))
+        print(ops_table(select(read(args.csv), args.run, is_op_row), args.default_only))
 
 
 if __name__ == "__main__":
