@@ -4,7 +4,6 @@ own argument parser (its run with tiny settings is tests/test_train.py::
 test_train_command_and_compare), the install and test markers CI reads are in place,
 and the file is under 15,000 characters."""
 import os
-import re
 import shlex
 
 import pytest
@@ -20,9 +19,17 @@ def _text() -> str:
 
 def _blocks(lang: str) -> list:
     """(first line number, code) of every fenced block whose info string is `lang`."""
-    out, text = [], _text()
-    for m in re.finditer(r"^```" + re.escape(lang) + r"\n(.*?)^```", text, re.S | re.M):
-        out.append((text.count("\n", 0, m.start()) + 2, m.group(1)))
+    out, block, info = [], None, None
+    for number, line in enumerate(_text().splitlines(), 1):
+        if block is None and line.startswith("```"):
+            block, info, start = [], line[3:].strip(), number + 1
+        elif block is not None and line.strip() == "```":
+            if info == lang:
+                out.append((start, "\n".join(block) + "\n"))
+            block = None
+        elif block is not None:
+            block.append(line)
+    assert block is None, "README.md has an unclosed code fence"
     return out
 
 
@@ -67,3 +74,17 @@ def test_training_command_parses():
         assert argv[:3] == ["python", "-m", "flax_models.train"], argv
         args = train.parse_args(argv[3:])
         train.config_from(args)  # the preset and sizes resolve
+
+
+def test_results_table_comes_from_the_history(capsys):
+    """The README's results table is `python -m bench.report models --run RUN`'s output for
+    the run it names, read from bench/results/results.csv (no figure typed by hand)."""
+    from bench import report
+
+    commands = [shlex.split(line) for line in SHELL_LINES if "-m bench.report models" in line]
+    assert len(commands) == 1, f"README.md should show one results command, found {commands}"
+    argv = commands[0]
+    assert argv[:3] == ["python", "-m", "bench.report"] and "latest" not in argv, argv
+    report.main(argv[3:])
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n") >= 4 and table in _text(), "README.md's table differs from the report's output"
