@@ -2,6 +2,7 @@
 orbax checkpoints of the full state (params, optimizer state, dropout RNG counters)."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import jax
@@ -57,7 +58,24 @@ def make_step(graphdef):
     return jax.jit(step, donate_argnums=0)
 
 
+def make_eval_step(graphdef):
+    """jit(state, batch) -> () float32 loss of the model in eval mode (no dropout); the
+    state is read, not changed or donated."""
+    def evaluate(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        model.eval()
+        loss, _ = model.loss(batch)
+        return loss.astype(jnp.float32)
+    return jax.jit(evaluate)
+
+
 # ---------------------------------------------------------------------------- checkpoints
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored into the given state: written for another
+    model (other arrays), corrupted (checksum mismatch or unreadable), or without the
+    metadata this module writes."""
+
+
 def _flat(state):
     leaves, treedef = jax.tree.flatten(state)
     is_key = [jnp.issubdtype(l.dtype, jax.dtypes.prng_key) for l in leaves]
@@ -65,35 +83,97 @@ def _flat(state):
     return {f"{i:06d}": a for i, a in enumerate(arrays)}, treedef, is_key
 
 
-def save_checkpoint(directory: str, step: int, state) -> None:
-    """Save the full training state at ``step`` under ``directory`` (orbax, keeps 2)."""
+def _layout(state) -> list:
+    """[path, shape, dtype] of every leaf of ``state`` (keys as their key data)."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    arrays, _, _ = _flat(state)
+    return [[p, list(a.shape), str(a.dtype)] for p, a in zip(paths, arrays.values())]
+
+
+def checksum(arrays) -> str:
+    """SHA-256 (hex) over the dtype, shape and bytes of each array, in order."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(np.asarray(a))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _manager(directory: str, **kw):
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                    "meta": ocp.JsonCheckpointHandler()}, **kw)
+
+
+def save_checkpoint(directory: str, step: int, state, model: str = "") -> None:
+    """Save the full training state at ``step`` under ``directory`` (orbax, keeps 2), with
+    metadata: the step, ``model`` (a description for error messages), each array's path,
+    shape and dtype, and the arrays' `checksum`."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, _, _ = _flat(state)
-    with ocp.CheckpointManager(os.path.abspath(directory),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
-        mngr.save(step, args=ocp.args.StandardSave({"state": arrays, "step": np.asarray(step, np.int64)}))
+    host = [np.asarray(a) for a in arrays.values()]
+    meta = {"step": int(step), "model": model, "arrays": _layout(state), "sha256": checksum(host)}
+    with _manager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                                                meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
 
 
 def latest_step(directory: str):
-    import orbax.checkpoint as ocp  # noqa: PLC0415
     if not os.path.isdir(directory):
         return None
-    with ocp.CheckpointManager(os.path.abspath(directory)) as mngr:
+    with _manager(directory) as mngr:
         return mngr.latest_step()
 
 
+def _other_model(where: str, meta: dict, expected: list) -> str | None:
+    """Why the checkpoint's arrays are not ``expected``'s, or None when they match."""
+    got = meta.get("arrays")
+    if got is None or "sha256" not in meta:
+        return f"{where} has no array list or checksum (not written by flax_models.training)"
+    whose = f" (saved from {meta['model']})" if meta.get("model") else ""
+    if len(got) != len(expected):
+        return (f"{where} belongs to another model{whose}: it holds {len(got)} arrays, this "
+                f"model's training state has {len(expected)}")
+    for (gp, gs, gd), (ep, es, ed) in zip(got, expected):
+        if (gs, gd) != (es, ed):
+            return (f"{where} belongs to another model{whose}: array {gp} is {tuple(gs)} {gd} "
+                    f"there, this model's {ep} is {tuple(es)} {ed}")
+    return None
+
+
 def restore_checkpoint(directory: str, template, step: int | None = None):
-    """(state shaped like ``template``, step) from ``directory`` (latest step by default)."""
+    """(state shaped like ``template``, step) from ``directory`` (latest step by default).
+
+    Raises FileNotFoundError without a checkpoint, and `CheckpointError` when the
+    checkpoint's arrays are not the template's (another model) or their checksum differs
+    from the one saved with them (corrupted)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, treedef, is_key = _flat(template)
-    abstract = {"state": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays),
-                "step": jax.ShapeDtypeStruct((), np.int64)}
-    with ocp.CheckpointManager(os.path.abspath(directory)) as mngr:
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+    with _manager(directory) as mngr:
         step = mngr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"restore_checkpoint: no checkpoint under {directory}")
-        got = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+        where = f"restore_checkpoint: the checkpoint of step {step} under {directory}"
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 (any failure to read it is reported as such)
+            raise CheckpointError(f"{where} has no readable metadata (not written by "
+                                  f"flax_models.training, or corrupted): {e}") from e
+        why = _other_model(where, meta, _layout(template))
+        if why:
+            raise CheckpointError(why)
+        try:
+            got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{where} is corrupted: its arrays cannot be read ({e})") from e
     leaves = [got["state"][k] for k in sorted(got["state"])]
+    found = checksum(leaves)
+    if found != meta["sha256"]:
+        raise CheckpointError(f"{where} is corrupted: the arrays' SHA-256 is {found}, the one "
+                              f"saved with them {meta['sha256']}")
     leaves = [jax.random.wrap_key_data(l) if k else l for l, k in zip(leaves, is_key)]
-    return jax.tree.unflatten(treedef, leaves), int(got["step"])
+    return jax.tree.unflatten(treedef, leaves), int(meta["step"])
