@@ -20,8 +20,11 @@ Operands and results are described by `Role`s:
 * ``SUM`` (results only): reduced over all lead dims (parameter gradients); summed
   across shards with ``psum``.
 
-Environment: ``JAX_LS2_IMPL=auto|cuda|reference`` (default auto: the kernels where
-the platform is CUDA and the extension is built). It is read the first time an op is
+Environment: ``JAX_LS2_IMPL=auto|cuda|reference``. Default auto: the kernels where the
+platform is CUDA and the extension is built, the reference elsewhere, with a warning
+(once) when a CUDA backend is present but the kernels are not. ``cuda`` demands the
+kernels: an op raises when they cannot run here, on a CPU-only machine too.
+``reference`` always runs the reference. The variable is read the first time an op is
 traced with a given set of static options; set it before the first call.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -55,21 +59,65 @@ def _impl_mode() -> str:
     return mode
 
 
+class KernelsUnavailableWarning(RuntimeWarning):
+    """An op runs its pure-JAX reference on a CUDA backend because its kernel is missing."""
+
+
+_warned_causes: set = set()  # one warning per cause and process
+
+
+def _warn_reference_on_cuda(target: str) -> None:
+    if _ffi.kernels_built():
+        cause = f"the built extension has no FFI target {target} (a stale build?)"
+    else:
+        cause = f"the extension jax_ls2._C is not available ({_ffi._load()[1]})"
+    if cause in _warned_causes:
+        return
+    _warned_causes.add(cause)
+    warnings.warn(f"{target}: running the pure-JAX reference on a CUDA backend because {cause}. "
+                  f"{_ffi.REBUILD_HINT} Set JAX_LS2_IMPL=reference to choose the reference "
+                  f"knowingly, or JAX_LS2_IMPL=cuda to make this an error.",
+                  KernelsUnavailableWarning, stacklevel=2)
+
+
 def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
-    """The one dispatch path of every op and of the optimizer: ``reference`` under
-    ``JAX_LS2_IMPL=reference``; otherwise, when the FFI ``target`` is registered, a
-    ``platform_dependent`` choice of ``cuda`` on CUDA and ``reference`` elsewhere; without
-    the target, ``reference`` (``JAX_LS2_IMPL=cuda`` raises instead)."""
+    """The one dispatch path of every op and of the optimizer.
+
+    ``JAX_LS2_IMPL=reference``: ``reference``. ``JAX_LS2_IMPL=cuda``: ``cuda``, or a
+    RuntimeError naming ``target`` unless its kernel runs here (built, and a CUDA
+    backend present). Default (auto): when the FFI ``target`` is registered, a
+    ``platform_dependent`` choice of ``cuda`` on CUDA and ``reference`` elsewhere;
+    without it ``reference``, with a `KernelsUnavailableWarning` (once) when JAX has
+    a CUDA backend, where the kernels were expected.
+    """
     mode = _impl_mode()
     if mode == "reference":
         return reference
-    if not _ffi.has_target(target):
-        if mode == "cuda":
-            _ffi.require_cuda(target)
+    if mode == "cuda":
+        _ffi.require_cuda(target)
+        if not _ffi.has_target(target):
             raise RuntimeError(f"{target}: this FFI target is missing from the built extension. "
                                f"{_ffi.REBUILD_HINT}")
+        return cuda
+    if not _ffi.has_target(target):
+        if _ffi.cuda_backend():
+            _warn_reference_on_cuda(target)
         return reference
     return lambda *a: jax.lax.platform_dependent(*a, cuda=cuda, default=reference)
+
+
+def implementation() -> str:
+    """``"cuda"`` or ``"reference"``: what the ops run on JAX's default backend, as
+    chosen by ``JAX_LS2_IMPL`` (see the module docstring). Under
+    ``JAX_LS2_IMPL=cuda`` it raises, as the ops do, when the kernels cannot run here."""
+    mode = _impl_mode()
+    if mode == "reference":
+        return "reference"
+    if mode == "cuda":
+        _ffi.require_cuda("jax_ls2.implementation")
+        return "cuda"
+    on_cuda = jax.default_backend() == "gpu" and _ffi.cuda_backend()
+    return "cuda" if on_cuda and _ffi.kernels_built() else "reference"
 
 
 class FusedKernel:

@@ -274,7 +274,7 @@ def test_batch_sharded_jit_has_no_all_gather():
         np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.skipif(not jax_ls2.cuda_available(), reason="CUDA kernels not built")
+@pytest.mark.skipif(not jax_ls2.kernels_built(), reason="CUDA kernels not built")
 def test_lowering_for_cuda_shows_custom_calls():
     x, y = _data(15, (4,), 33)
     f = lambda x: jax.grad(lambda x: cross_entropy(x, y, reduction="mean")[0])(x)

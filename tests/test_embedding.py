@@ -209,7 +209,7 @@ def test_batch_sharded_jit_no_all_gather_and_same_mask():
     np.testing.assert_allclose(dp, dp0, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not jax_ls2.cuda_available(), reason="CUDA kernels not built")
+@pytest.mark.skipif(not jax_ls2.kernels_built(), reason="CUDA kernels not built")
 def test_lowering_for_cuda_shows_custom_calls():
     ids, table, pt, _ = _setup(8, (2, 4), 20, 8, max_pos=4)
     f = lambda t: jax.value_and_grad(lambda t: embedding(ids, t, pos_table=pt, rate=0.1,
