@@ -21,6 +21,7 @@ import sys
 from bench.common import RESULTS_CSV, append_long, long_rows
 
 _DATE = re.compile(r"_\d{4}-\d{2}-\d{2}")
+_HASH = re.compile(r"_(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?=_|$)")  # a commit in a file name
 
 
 def read(path: str = RESULTS_CSV) -> list:
@@ -29,12 +30,13 @@ def read(path: str = RESULTS_CSV) -> list:
 
 
 def _bench_name(rel: str, commit: str) -> str:
-    """"h200/models_2026-11-29_13e10ab.csv" -> "models"; "sweep_dropout/dropout.csv" ->
-    "sweep_dropout_dropout": the file's path without the run's commit, date and folder."""
+    """"models_2026-11-29_13e10ab.csv" -> "models"; "sweep_dropout/dropout.csv" ->
+    "sweep_dropout_dropout": the file's path without dates and commits (the row's own,
+    or one the file was named after)."""
     stem = os.path.splitext(rel)[0].replace(os.sep, "_")
     if commit:
         stem = stem.replace(f"_{commit}", "")
-    return _DATE.sub("", stem)
+    return _HASH.sub("", _DATE.sub("", stem))
 
 
 def run_rows(folder: str, run: str) -> list:
@@ -148,7 +150,7 @@ def ops_table(rows: list, default_only: bool = False) -> str:
 
 
 def is_model_row(r: dict) -> bool:
-    return r["bench"] == "models"
+    return r["bench"].startswith("models")
 
 
 def is_op_row(r: dict) -> bool:
