@@ -26,17 +26,13 @@ class Bert(nnx.Module):
         self.embed = lib.Embedding(cfg.vocab_size, h, max_positions=cfg.max_len, **kw)
         self.token_type = nnx.Embed(cfg.type_vocab_size, h,
                                     embedding_init=nnx.initializers.normal(0.02), **kw)
-        self.embed_ln = lib.LayerNorm(h, epsilon=cfg.layer_norm_eps, dtype=dtype,
+        self.embed_ln = lib.LayerNorm(h, epsilon=cfg.epsilon, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
         self.embed_drop = lib.Dropout(cfg.hidden_dropout, rngs=rngs)
         self.encoder = lib.TransformerEncoder(
-            cfg.num_layers, h, cfg.ffn_size, cfg.num_heads, pre_layer_norm=False,
-            activation="gelu", attn_dropout=cfg.attn_dropout,
-            activation_dropout=cfg.activation_dropout, hidden_dropout=cfg.hidden_dropout,
-            layer_norm_eps=cfg.layer_norm_eps, attention_backend=cfg.attention_backend,
-            remat=cfg.remat, **kw)
+            cfg.num_layers, **cfg.layer_options(pre_layer_norm=False, activation="gelu"), **kw)
         self.mlm_dense = nnx.Linear(h, h, **kw)
-        self.mlm_ln = lib.LayerNorm(h, epsilon=cfg.layer_norm_eps, dtype=dtype,
+        self.mlm_ln = lib.LayerNorm(h, epsilon=cfg.epsilon, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
         self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype))
         self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)

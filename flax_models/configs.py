@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_ls2.nn.config import EPSILON
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -10,7 +12,8 @@ class Config:
 
     Common: vocab_size, hidden_size, num_layers (decoder layers for "transformer" too),
     num_heads, ffn_size, max_len (positions / longest sequence), the three dropout rates,
-    layer_norm_eps, attention_backend, remat. Family-specific: type_vocab_size and
+    epsilon (LayerNorm), attention_backend, remat; the layer fields are named as in
+    ``jax_ls2.nn.LayerConfig``. Family-specific: type_vocab_size and
     mlm_max_predictions (bert: > 0 runs the MLM head on at most that many predicted
     tokens per sequence instead of on every token), label_smoothing / pad_id
     (transformer), image_size / patch_size / channels / num_classes (vit).
@@ -25,7 +28,7 @@ class Config:
     hidden_dropout: float = 0.0
     attn_dropout: float = 0.0
     activation_dropout: float = 0.0
-    layer_norm_eps: float = 1e-5
+    epsilon: float = EPSILON
     attention_backend: str = "auto"
     remat: bool = False
     type_vocab_size: int = 2
@@ -37,6 +40,15 @@ class Config:
     channels: int = 3
     num_classes: int = 10
 
+    def layer_options(self, **fixed) -> dict:
+        """The keyword arguments of a layer stack (``lib.TransformerEncoder`` /
+        ``TransformerDecoder``) that this config sets, plus the model's `fixed` ones
+        (pre_layer_norm, activation, ...)."""
+        return dict(hidden_size=self.hidden_size, ffn_size=self.ffn_size, num_heads=self.num_heads,
+                    attn_dropout=self.attn_dropout, activation_dropout=self.activation_dropout,
+                    hidden_dropout=self.hidden_dropout, epsilon=self.epsilon,
+                    attention_backend=self.attention_backend, remat=self.remat, **fixed)
+
     def replace(self, **kw) -> "Config":
         unknown = set(kw) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -46,10 +58,10 @@ class Config:
 
 PRESETS: dict[str, dict[str, Config]] = {
     "bert": {
-        "tiny": Config("bert", layer_norm_eps=1e-12),
+        "tiny": Config("bert", epsilon=1e-12),
         "base": Config("bert", vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
                        ffn_size=3072, max_len=512, hidden_dropout=0.1, attn_dropout=0.1,
-                       layer_norm_eps=1e-12),
+                       epsilon=1e-12),
     },
     "gpt": {
         "tiny": Config("gpt"),
@@ -65,9 +77,9 @@ PRESETS: dict[str, dict[str, Config]] = {
                        attn_dropout=0.1, activation_dropout=0.1),
     },
     "vit": {
-        "tiny": Config("vit", layer_norm_eps=1e-12),
+        "tiny": Config("vit", epsilon=1e-12),
         "b16": Config("vit", hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
-                      image_size=224, patch_size=16, num_classes=1000, layer_norm_eps=1e-12),
+                      image_size=224, patch_size=16, num_classes=1000, epsilon=1e-12),
     },
 }
 

@@ -139,7 +139,7 @@ def config_from_hf(family: str, hf_config: dict[str, Any], **overrides) -> Confi
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             ffn_size=hf["intermediate_size"], max_len=hf["max_position_embeddings"],
             type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            epsilon=hf.get("layer_norm_eps", 1e-12),
             hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
             attn_dropout=hf.get("attention_probs_dropout_prob", 0.1), activation_dropout=0.0)
     elif family == "gpt":
@@ -152,7 +152,7 @@ def config_from_hf(family: str, hf_config: dict[str, Any], **overrides) -> Confi
             vocab_size=hf.get("vocab_size", 50257), hidden_size=h,
             num_layers=hf.get("n_layer", 12), num_heads=hf.get("n_head", 12),
             ffn_size=hf.get("n_inner") or 4 * h, max_len=hf.get("n_positions", 1024),
-            layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            epsilon=hf.get("layer_norm_epsilon", 1e-5),
             hidden_dropout=hf.get("resid_pdrop", 0.1), attn_dropout=hf.get("attn_pdrop", 0.1),
             activation_dropout=0.0)
         if hf.get("embd_pdrop", cfg.hidden_dropout) != cfg.hidden_dropout:
@@ -168,7 +168,7 @@ def config_from_hf(family: str, hf_config: dict[str, Any], **overrides) -> Confi
             num_heads=hf["num_attention_heads"], ffn_size=hf["intermediate_size"],
             image_size=hf["image_size"], patch_size=hf["patch_size"],
             channels=hf.get("num_channels", 3), num_classes=num,
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            epsilon=hf.get("layer_norm_eps", 1e-12),
             hidden_dropout=hf.get("hidden_dropout_prob", 0.0),
             attn_dropout=hf.get("attention_probs_dropout_prob", 0.0), activation_dropout=0.0)
     return cfg.replace(**overrides) if overrides else cfg
@@ -185,7 +185,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "intermediate_size": cfg.ffn_size, "max_position_embeddings": cfg.max_len,
                 "type_vocab_size": cfg.type_vocab_size, "hidden_act": "gelu",
-                "layer_norm_eps": cfg.layer_norm_eps, "hidden_dropout_prob": cfg.hidden_dropout,
+                "layer_norm_eps": cfg.epsilon, "hidden_dropout_prob": cfg.hidden_dropout,
                 "attention_probs_dropout_prob": cfg.attn_dropout,
                 "position_embedding_type": "absolute", "tie_word_embeddings": True,
                 "pad_token_id": 0}
@@ -193,7 +193,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         return {**base, "vocab_size": cfg.vocab_size, "n_embd": cfg.hidden_size,
                 "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "n_inner": cfg.ffn_size,
                 "n_positions": cfg.max_len, "activation_function": "gelu_new",
-                "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": cfg.hidden_dropout,
+                "layer_norm_epsilon": cfg.epsilon, "resid_pdrop": cfg.hidden_dropout,
                 "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attn_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "tie_word_embeddings": True, "bos_token_id": cfg.vocab_size - 1,
@@ -202,7 +202,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
             "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.ffn_size,
             "image_size": cfg.image_size, "patch_size": cfg.patch_size,
             "num_channels": cfg.channels, "hidden_act": "gelu", "qkv_bias": True,
-            "layer_norm_eps": cfg.layer_norm_eps, "hidden_dropout_prob": cfg.hidden_dropout,
+            "layer_norm_eps": cfg.epsilon, "hidden_dropout_prob": cfg.hidden_dropout,
             "attention_probs_dropout_prob": cfg.attn_dropout,
             "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_classes)},
             "label2id": {f"LABEL_{i}": i for i in range(cfg.num_classes)}}

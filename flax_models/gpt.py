@@ -17,11 +17,8 @@ class GPT(nnx.Module):
         self.embed = lib.Embedding(cfg.vocab_size, cfg.hidden_size, max_positions=cfg.max_len,
                                    dropout=cfg.hidden_dropout, **kw)
         self.decoder = lib.TransformerEncoder(
-            cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.num_heads, pre_layer_norm=True,
-            final_layer_norm=True, activation="gelu_tanh", attn_dropout=cfg.attn_dropout,
-            activation_dropout=cfg.activation_dropout, hidden_dropout=cfg.hidden_dropout,
-            layer_norm_eps=cfg.layer_norm_eps, attention_backend=cfg.attention_backend,
-            remat=cfg.remat, **kw)
+            cfg.num_layers, final_layer_norm=True,
+            **cfg.layer_options(pre_layer_norm=True, activation="gelu_tanh"), **kw)
         self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
 
     def __call__(self, input_ids):

@@ -16,20 +16,15 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        layer = dict(pre_layer_norm=True, activation="relu", attn_dropout=cfg.attn_dropout,
-                     activation_dropout=cfg.activation_dropout,
-                     hidden_dropout=cfg.hidden_dropout, layer_norm_eps=cfg.layer_norm_eps,
-                     attention_backend=cfg.attention_backend, remat=cfg.remat, **kw)
+        layers = dict(cfg.layer_options(pre_layer_norm=True, activation="relu"), **kw)
         self.cfg = cfg
         self.embed = lib.Embedding(cfg.vocab_size, cfg.hidden_size, sinusoidal=True,
                                    scale=math.sqrt(cfg.hidden_size), padding_idx=cfg.pad_id,
                                    dropout=cfg.hidden_dropout,
                                    embedding_init=nnx.initializers.normal(cfg.hidden_size ** -0.5),
                                    **kw)
-        self.encoder = lib.TransformerEncoder(cfg.num_layers, cfg.hidden_size, cfg.ffn_size,
-                                              cfg.num_heads, **layer)
-        self.decoder = lib.TransformerDecoder(cfg.num_layers, cfg.hidden_size, cfg.ffn_size,
-                                              cfg.num_heads, **layer)
+        self.encoder = lib.TransformerEncoder(cfg.num_layers, **layers)
+        self.decoder = lib.TransformerDecoder(cfg.num_layers, **layers)
         self.criterion = lib.CrossEntropyCriterion(label_smoothing=cfg.label_smoothing,
                                                    ignore_index=cfg.pad_id)
 

@@ -28,11 +28,8 @@ class ViT(nnx.Module):
                                                            param_dtype))
         self.drop = lib.Dropout(cfg.hidden_dropout, rngs=rngs)
         self.encoder = lib.TransformerEncoder(
-            cfg.num_layers, h, cfg.ffn_size, cfg.num_heads, pre_layer_norm=True,
-            final_layer_norm=True, activation="gelu", attn_dropout=cfg.attn_dropout,
-            activation_dropout=cfg.activation_dropout, hidden_dropout=cfg.hidden_dropout,
-            layer_norm_eps=cfg.layer_norm_eps, attention_backend=cfg.attention_backend,
-            remat=cfg.remat, **kw)
+            cfg.num_layers, final_layer_norm=True,
+            **cfg.layer_options(pre_layer_norm=True, activation="gelu"), **kw)
         self.head = nnx.Linear(h, cfg.num_classes, **kw)
         self.criterion = lib.CrossEntropyCriterion()
 

@@ -55,11 +55,11 @@ def test_fixture_configs_map_to_our_fields():
     cfgs = {f: convert.import_hf(f, fixture(f), impl="plain")[0] for f in FAMILIES}
     b, g, v = cfgs["bert"], cfgs["gpt"], cfgs["vit"]
     assert (b.vocab_size, b.hidden_size, b.num_layers, b.num_heads, b.ffn_size, b.max_len,
-            b.type_vocab_size, b.layer_norm_eps) == (99, 32, 2, 4, 37, 64, 2, 1e-12)
+            b.type_vocab_size, b.epsilon) == (99, 32, 2, 4, 37, 64, 2, 1e-12)
     assert (g.vocab_size, g.hidden_size, g.num_layers, g.num_heads, g.ffn_size, g.max_len,
-            g.layer_norm_eps) == (128, 32, 2, 2, 128, 64, 1e-5)
+            g.epsilon) == (128, 32, 2, 2, 128, 64, 1e-5)
     assert (v.hidden_size, v.num_layers, v.num_heads, v.ffn_size, v.image_size, v.patch_size,
-            v.channels, v.num_classes, v.layer_norm_eps) == (32, 2, 4, 37, 32, 8, 3, 5, 1e-12)
+            v.channels, v.num_classes, v.epsilon) == (32, 2, 4, 37, 32, 8, 3, 5, 1e-12)
     assert b.hidden_dropout == 0.1 and b.attn_dropout == 0.1 and g.attn_dropout == 0.1
 
 

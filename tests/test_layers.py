@@ -303,6 +303,83 @@ def test_transformer_layer_factory():
         nn.TransformerLayer(H, F, N, layer_type="moe", rngs=nnx.Rngs(0))
 
 
+def test_transformer_layer_takes_transformer_engine_aliases():
+    te = nn.TransformerLayer(hidden_size=H, ffn_hidden_size=F, num_attention_heads=N,
+                             attention_dropout=0.2, layernorm_epsilon=1e-6, rngs=nnx.Rngs(0))
+    ours = nn.TransformerLayer(H, F, N, attn_dropout=0.2, epsilon=1e-6, rngs=nnx.Rngs(0))
+    assert te.config == ours.config
+    assert (te.ffn_size, te.num_heads, te.attn.attn_dropout, te.ffn_ln.epsilon) == (F, N, 0.2, 1e-6)
+    for name, alias in (("epsilon", "layernorm_epsilon"), ("attn_dropout", "attention_dropout")):
+        with pytest.raises(TypeError, match=f"TransformerLayer: got both {name}= and its alias {alias}="):
+            nn.TransformerLayer(H, F, N, rngs=nnx.Rngs(0), **{name: 0.1, alias: 0.1})
+    with pytest.raises(TypeError, match="TransformerLayer: got both ffn_size= and its alias"):
+        nn.TransformerLayer(H, F, N, ffn_hidden_size=F, rngs=nnx.Rngs(0))
+    # a LayerConfig keeps its own values (no Transformer Engine defaults on top)
+    cfg = nn.LayerConfig(H, F, N)
+    assert nn.TransformerLayer(cfg, rngs=nnx.Rngs(0)).config == cfg
+
+
+def test_layer_config_is_the_one_signature():
+    """Keywords, a LayerConfig, and a LayerConfig with overrides build the same layer;
+    the stacks hand their config to every layer."""
+    kw = dict(pre_layer_norm=False, activation="gelu", attn_dropout=0.1, hidden_dropout=0.2,
+              activation_dropout=0.3, epsilon=1e-6, attention_backend="xla", dtype=jnp.bfloat16)
+    cfg = nn.LayerConfig(H, F, N, **kw)
+    by_kw = nn.TransformerEncoderLayer(H, F, N, rngs=nnx.Rngs(0), **kw)
+    by_cfg = nn.TransformerEncoderLayer(cfg, rngs=nnx.Rngs(0))
+    assert by_kw.config == by_cfg.config == cfg
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(by_kw, nnx.Param), nnx.state(by_cfg, nnx.Param))
+    assert (by_cfg.hidden_dropout, by_cfg.activation_dropout, by_cfg.attn.attn_dropout,
+            by_cfg.attn_ln.epsilon, by_cfg.dtype) == (0.2, 0.3, 0.1, 1e-6, jnp.bfloat16)
+    over = nn.TransformerDecoderLayer(cfg, hidden_dropout=0.0, rngs=nnx.Rngs(0))
+    assert over.config == cfg.replace(hidden_dropout=0.0) and over.hidden_dropout == 0.0
+    enc = nn.TransformerEncoder(2, cfg, final_layer_norm=True, rngs=nnx.Rngs(0))
+    assert enc.config == cfg and all(l.config == cfg for l in enc.layers)
+    assert enc.final_ln.epsilon == 1e-6
+    dec = nn.TransformerDecoder(2, H, F, N, rngs=nnx.Rngs(0), **kw)
+    assert all(l.config == cfg for l in dec.layers) and dec.dtype == jnp.bfloat16
+
+
+def test_layer_config_errors_name_the_constructor():
+    with pytest.raises(TypeError, match=r"TransformerEncoderLayer: unexpected keyword argument\(s\) \['layer_norm_eps'\]"):
+        nn.TransformerEncoderLayer(H, F, N, layer_norm_eps=1e-5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="TransformerEncoder: unexpected keyword"):
+        nn.TransformerEncoder(2, H, F, N, eps=1e-5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="TransformerDecoderLayer: pass a LayerConfig or hidden_size"):
+        nn.TransformerDecoderLayer(nn.LayerConfig(H, F, N), F, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="TransformerEncoderLayer: num_heads must be an int, got NoneType"):
+        nn.TransformerEncoderLayer(H, F, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="TransformerEncoderLayer: epsilon must be a positive float, got 0"):
+        nn.TransformerEncoderLayer(H, F, N, epsilon=0, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="TransformerEncoderLayer: dtype must be a floating JAX dtype or None, got 'foo'"):
+        nn.TransformerEncoderLayer(H, F, N, dtype="foo", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="TransformerEncoderLayer: pre_layer_norm must be a Python bool"):
+        nn.TransformerEncoderLayer(H, F, N, pre_layer_norm="yes", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="LayerConfig: attention_backend must be one of"):
+        nn.LayerConfig(H, F, N, attention_backend="flash")
+    with pytest.raises(ValueError, match="LayerConfig.replace: attn_dropout must be in"):
+        nn.LayerConfig(H, F, N).replace(attn_dropout=1.0)
+
+
+def test_layer_norm_epsilon_is_one_name_with_one_default():
+    """ops.layer_norm, nn.LayerNorm and LayerConfig spell it ``epsilon``, default to 1e-5
+    and say that nnx.LayerNorm's default is 1e-6; the epsilon reaches the op."""
+    import inspect
+    from jax_ls2 import ops
+    defaults = {inspect.signature(ops.layer_norm).parameters["epsilon"].default,
+                inspect.signature(nn.LayerNorm.__init__).parameters["epsilon"].default,
+                nn.LayerConfig(H, F, N).epsilon}
+    assert defaults == {1e-5}
+    assert inspect.signature(nnx.LayerNorm.__init__).parameters["epsilon"].default == 1e-6
+    for doc in (ops.layer_norm.__doc__, nn.LayerNorm.__doc__):
+        assert "1e-5" in doc and "1e-6" in doc
+    x = _x((3, H)) * 1e-3  # variance ~1e-6: epsilon matters
+    for eps in (1e-5, 1e-6):
+        ln = nn.LayerNorm(H, epsilon=eps)
+        twin = nnx.LayerNorm(H, epsilon=eps, rngs=nnx.Rngs(0))
+        _close(ln(x), twin(x), rtol=1e-4, atol=1e-4)
+
+
 def test_validation_messages():
     with pytest.raises(ValueError, match=r"hidden_size \(30\).*num_heads \(4\)"):
         nn.TransformerEncoderLayer(30, F, N, rngs=nnx.Rngs(0))

@@ -91,11 +91,11 @@ class _Block(nnx.Module):
 
     def __init__(self, hidden_size, ffn_size, num_heads, *, pre_layer_norm=True,
                  activation="relu", attn_dropout=0.0, activation_dropout=0.0,
-                 hidden_dropout=0.0, layer_norm_eps=1e-5, attention_backend="auto",
+                 hidden_dropout=0.0, epsilon=1e-5, attention_backend="auto",
                  deterministic=None, dtype=None, param_dtype=jnp.float32, rngs):
         self.hidden_size, self.pre_layer_norm, self.activation = hidden_size, pre_layer_norm, activation
         self.deterministic = deterministic
-        ln = dict(epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        ln = dict(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         attn = dict(attn_dropout=attn_dropout, attention_backend=attention_backend,
                     deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -148,13 +148,23 @@ class TransformerDecoderLayer(_Block):
         return self._residual(lambda h: self._ffn(h, det), x, self.ffn_ln, det)
 
 
-def TransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads, *, layer_type="encoder",
-                     hidden_dropout=0.1, attention_dropout=0.1, activation_dropout=None,
-                     activation="gelu", layernorm_epsilon=1e-5, pre_layer_norm=True,
-                     attention_backend="auto", dtype=None, param_dtype=jnp.float32, rngs):
+_TE_ALIASES = {"ffn_hidden_size": "ffn_size", "num_attention_heads": "num_heads",
+               "attention_dropout": "attn_dropout", "layernorm_epsilon": "epsilon"}
+
+
+def TransformerLayer(hidden_size, ffn_size=None, num_heads=None, *, layer_type="encoder", rngs,
+                     **options):
+    """Twin of jax_ls2.nn.TransformerLayer (Transformer Engine's defaults and aliases)."""
     cls = {"encoder": TransformerEncoderLayer, "decoder": TransformerDecoderLayer}[layer_type]
-    return cls(hidden_size, ffn_hidden_size, num_attention_heads, pre_layer_norm=pre_layer_norm,
-               activation=activation, attn_dropout=attention_dropout,
-               activation_dropout=hidden_dropout if activation_dropout is None else activation_dropout,
-               hidden_dropout=hidden_dropout, layer_norm_eps=layernorm_epsilon,
-               attention_backend=attention_backend, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    named = dict(options, **{k: v for k, v in (("ffn_size", ffn_size), ("num_heads", num_heads))
+                             if v is not None})
+    for alias, name in _TE_ALIASES.items():
+        if alias in named:
+            if name in named:
+                raise TypeError(f"TransformerLayer: got both {name}= and its alias {alias}=")
+            named[name] = named.pop(alias)
+    named.setdefault("hidden_dropout", 0.1)
+    named.setdefault("attn_dropout", 0.1)
+    named.setdefault("activation", "gelu")
+    named.setdefault("activation_dropout", named["hidden_dropout"])
+    return cls(hidden_size, named.pop("ffn_size"), named.pop("num_heads"), rngs=rngs, **named)

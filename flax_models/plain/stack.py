@@ -32,7 +32,7 @@ def _final_ln(final_layer_norm, hidden_size, layer_kw, rngs):
         final_layer_norm = layer_kw.get("pre_layer_norm", True)
     if not final_layer_norm:
         return nnx.data(None)
-    return LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
+    return LayerNorm(hidden_size, epsilon=layer_kw.get("epsilon", 1e-5),
                      dtype=layer_kw.get("dtype"),
                      param_dtype=layer_kw.get("param_dtype", jnp.float32), rngs=rngs)
 

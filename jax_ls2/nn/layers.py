@@ -12,9 +12,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import (check_activation, check_hidden, check_rate, draw_key, matmul,
-                                resolve_deterministic, rng_stream)
+from jax_ls2.nn._common import check_hidden, check_rate, draw_key, matmul, resolve_deterministic, rng_stream
 from jax_ls2.nn.attention import MultiHeadAttention
+from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
 
 class LayerNorm(nnx.Module):
@@ -22,6 +22,9 @@ class LayerNorm(nnx.Module):
 
     Params ``scale`` (ones) and ``bias`` (zeros), shape (num_features,), as ``nnx.LayerNorm``.
     x: (..., num_features); statistics fp32; output in ``dtype`` (None: promote x and params).
+    ``epsilon`` defaults to 1e-5 (PyTorch's, LightSeq2's and Transformer Engine's);
+    ``nnx.LayerNorm``'s default is 1e-6, so pass ``epsilon=1e-6`` to reproduce a Flax
+    model built with the default.
     ``__call__(x, residual=r)`` returns (LN(x + r), x + r); ``__call__(x, return_input=True)``
     returns (LN(x), x) in the compute dtype, for a residual branch whose gradient the
     backward kernel then adds (see ``ops.layer_norm``). ``copies=k`` returns LN(x) k
@@ -29,7 +32,7 @@ class LayerNorm(nnx.Module):
     kernel sums.
     """
 
-    def __init__(self, num_features: int, *, epsilon: float = 1e-5, dtype=None,
+    def __init__(self, num_features: int, *, epsilon: float = EPSILON, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         del rngs
         self.num_features, self.epsilon, self.dtype = num_features, float(epsilon), dtype
@@ -42,7 +45,7 @@ class LayerNorm(nnx.Module):
         x = x.astype(dtype)
         if residual is not None:
             residual = residual.astype(dtype)
-        return ops.layer_norm(x, self.scale[...], self.bias[...], eps=self.epsilon,
+        return ops.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon,
                               residual=residual, return_input=return_input, copies=copies)
 
 
@@ -67,34 +70,35 @@ class _Block(nnx.Module):
 
     _owner = "TransformerLayer"
 
-    def _setup(self, hidden_size, ffn_size, num_heads, *, pre_layer_norm, activation,
-               attn_dropout, activation_dropout, hidden_dropout, layer_norm_eps,
-               attention_backend, deterministic, dtype, param_dtype, rngs):
-        o = self._owner
-        if hidden_size <= 0 or ffn_size <= 0:
-            raise ValueError(f"{o}: hidden_size and ffn_size must be positive, got "
-                             f"{hidden_size} and {ffn_size}")
-        self.hidden_size, self.ffn_size, self.num_heads = hidden_size, ffn_size, num_heads
-        self.pre_layer_norm = bool(pre_layer_norm)
-        self.activation = check_activation(o, activation)
-        self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
-        self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
-        self.deterministic = deterministic
-        self.dtype = dtype
-        ln = dict(epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
-        attn = dict(attn_dropout=attn_dropout, attention_backend=attention_backend,
-                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attn_ln = LayerNorm(hidden_size, **ln)
-        self.attn = MultiHeadAttention(hidden_size, num_heads, self_attention=True, **attn)
+    def _setup(self, config: LayerConfig, rngs):
+        self.config = config
+        self.deterministic = config.deterministic
+        c = config
+        ln = dict(epsilon=c.epsilon, dtype=c.dtype, param_dtype=c.param_dtype)
+        attn = dict(attn_dropout=c.attn_dropout, attention_backend=c.attention_backend,
+                    deterministic=c.deterministic, dtype=c.dtype, param_dtype=c.param_dtype,
+                    rngs=rngs)
+        lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        self.attn_ln = LayerNorm(c.hidden_size, **ln)
+        self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True, **attn)
         if self._cross:
-            self.cross_ln = LayerNorm(hidden_size, **ln)
-            self.cross_attn = MultiHeadAttention(hidden_size, num_heads, self_attention=False,
+            self.cross_ln = LayerNorm(c.hidden_size, **ln)
+            self.cross_attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=False,
                                                  **attn)
-        self.ffn_ln = LayerNorm(hidden_size, **ln)
-        self.fc1 = nnx.Linear(hidden_size, ffn_size, **lin)
-        self.fc2 = nnx.Linear(ffn_size, hidden_size, **lin)
+        self.ffn_ln = LayerNorm(c.hidden_size, **ln)
+        self.fc1 = nnx.Linear(c.hidden_size, c.ffn_size, **lin)
+        self.fc2 = nnx.Linear(c.ffn_size, c.hidden_size, **lin)
         self.rngs = rng_stream(rngs)
+
+    # The layer's hyper-parameters, read from its config.
+    hidden_size = property(lambda self: self.config.hidden_size)
+    ffn_size = property(lambda self: self.config.ffn_size)
+    num_heads = property(lambda self: self.config.num_heads)
+    pre_layer_norm = property(lambda self: self.config.pre_layer_norm)
+    activation = property(lambda self: self.config.activation)
+    activation_dropout = property(lambda self: self.config.activation_dropout)
+    hidden_dropout = property(lambda self: self.config.hidden_dropout)
+    dtype = property(lambda self: self.config.dtype)
 
     def _keys(self, deterministic, rngs, n):
         det = resolve_deterministic(self._owner, deterministic, self.deterministic)
@@ -162,16 +166,16 @@ class _Block(nnx.Module):
 
 _DOC_ARGS = """
     Args:
-      hidden_size, ffn_size, num_heads: widths and heads (hidden_size % num_heads == 0).
-      pre_layer_norm: LayerNorm before each sub-block (True) or after the residual add.
-      activation: "relu", "gelu" (erf) or "gelu_tanh".
-      attn_dropout, activation_dropout, hidden_dropout: LightSeq2's three dropout rates
-        (attention probabilities, after the FFN activation, before each residual add).
-      layer_norm_eps: LayerNorm epsilon.
-      attention_backend: "auto", "cudnn", "fused" or "xla" (see jax_ls2.nn.attention).
-      deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
-      dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+      hidden_size: an int, with ``ffn_size`` and ``num_heads``; or a `LayerConfig`
+        (then leave ``ffn_size`` and ``num_heads`` out).
+      ffn_size, num_heads: FFN width and attention heads.
+      **options: the other `LayerConfig` fields (``pre_layer_norm``, ``activation``,
+        ``attn_dropout``, ``activation_dropout``, ``hidden_dropout``, ``epsilon``,
+        ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``); with a
+        `LayerConfig`, they override its fields.
       rngs: ``nnx.Rngs``; params from ``params``, dropout keys from ``dropout``.
+
+    The layer keeps its `LayerConfig` as ``config``.
 """
 
 
@@ -190,17 +194,9 @@ class TransformerEncoderLayer(_Block):
     _owner = "TransformerEncoderLayer"
     _cross = False
 
-    def __init__(self, hidden_size: int, ffn_size: int, num_heads: int, *,
-                 pre_layer_norm: bool = True, activation: str = "relu",
-                 attn_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 hidden_dropout: float = 0.0, layer_norm_eps: float = 1e-5,
-                 attention_backend: str = "auto", deterministic: bool | None = None,
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self._setup(hidden_size, ffn_size, num_heads, pre_layer_norm=pre_layer_norm,
-                    activation=activation, attn_dropout=attn_dropout,
-                    activation_dropout=activation_dropout, hidden_dropout=hidden_dropout,
-                    layer_norm_eps=layer_norm_eps, attention_backend=attention_backend,
-                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, hidden_size: int | LayerConfig, ffn_size: int | None = None,
+                 num_heads: int | None = None, *, rngs: nnx.Rngs, **options):
+        self._setup(layer_config(self._owner, hidden_size, ffn_size, num_heads, options), rngs)
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None, rngs=None, output_copies: int = 1,
@@ -227,17 +223,9 @@ class TransformerDecoderLayer(_Block):
     _owner = "TransformerDecoderLayer"
     _cross = True
 
-    def __init__(self, hidden_size: int, ffn_size: int, num_heads: int, *,
-                 pre_layer_norm: bool = True, activation: str = "relu",
-                 attn_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 hidden_dropout: float = 0.0, layer_norm_eps: float = 1e-5,
-                 attention_backend: str = "auto", deterministic: bool | None = None,
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self._setup(hidden_size, ffn_size, num_heads, pre_layer_norm=pre_layer_norm,
-                    activation=activation, attn_dropout=attn_dropout,
-                    activation_dropout=activation_dropout, hidden_dropout=hidden_dropout,
-                    layer_norm_eps=layer_norm_eps, attention_backend=attention_backend,
-                    deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, hidden_size: int | LayerConfig, ffn_size: int | None = None,
+                 num_heads: int | None = None, *, rngs: nnx.Rngs, **options):
+        self._setup(layer_config(self._owner, hidden_size, ffn_size, num_heads, options), rngs)
 
     def __call__(self, x, memory=None, *, cross_kv=None, padding_mask=None,
                  memory_padding_mask=None, deterministic: bool | None = None, rngs=None,
@@ -255,25 +243,43 @@ class TransformerDecoderLayer(_Block):
                               next_uses=output_copies, seq_first=seq_first)
 
 
-def TransformerLayer(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
-                     layer_type: str = "encoder", hidden_dropout: float = 0.1,
-                     attention_dropout: float = 0.1, activation_dropout: float | None = None,
-                     activation: str = "gelu", layernorm_epsilon: float = 1e-5,
-                     pre_layer_norm: bool = True, attention_backend: str = "auto",
-                     dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    """One module for the common Transformer block, in Transformer Engine's naming.
+# Transformer Engine's names of LayerConfig fields, accepted by `TransformerLayer`.
+TE_ALIASES = {"ffn_hidden_size": "ffn_size", "num_attention_heads": "num_heads",
+              "attention_dropout": "attn_dropout", "layernorm_epsilon": "epsilon"}
+
+
+def TransformerLayer(hidden_size: int, ffn_size: int | None = None, num_heads: int | None = None, *,
+                     layer_type: str = "encoder", rngs: nnx.Rngs, **options):
+    """One module for the common Transformer block, with Transformer Engine's defaults.
 
     ``layer_type="encoder"`` gives a `TransformerEncoderLayer` (pass ``causal=True`` at call
-    time for a decoder-only/GPT block), ``"decoder"`` a `TransformerDecoderLayer`.
-    ``activation_dropout`` defaults to ``hidden_dropout``.
+    time for a decoder-only/GPT block), ``"decoder"`` a `TransformerDecoderLayer`. The
+    arguments are those of the layers (`LayerConfig` fields) with Transformer Engine's
+    defaults: ``hidden_dropout=0.1``, ``attn_dropout=0.1``, ``activation="gelu"``, and
+    ``activation_dropout`` equal to ``hidden_dropout`` unless given (a `LayerConfig`
+    given as ``hidden_size`` keeps its own values).
+
+    Transformer Engine's names are accepted as aliases: ``ffn_hidden_size`` for
+    ``ffn_size``, ``num_attention_heads`` for ``num_heads``, ``attention_dropout`` for
+    ``attn_dropout`` and ``layernorm_epsilon`` for ``epsilon``. Giving a name and its
+    alias together raises TypeError.
     """
+    owner = "TransformerLayer"
     kinds = {"encoder": TransformerEncoderLayer, "decoder": TransformerDecoderLayer}
     if layer_type not in kinds:
-        raise ValueError(f"TransformerLayer: layer_type must be 'encoder' or 'decoder', "
-                         f"got {layer_type!r}")
-    return kinds[layer_type](
-        hidden_size, ffn_hidden_size, num_attention_heads, pre_layer_norm=pre_layer_norm,
-        activation=activation, attn_dropout=attention_dropout,
-        activation_dropout=hidden_dropout if activation_dropout is None else activation_dropout,
-        hidden_dropout=hidden_dropout, layer_norm_eps=layernorm_epsilon,
-        attention_backend=attention_backend, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        raise ValueError(f"{owner}: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
+    named = dict(options, **{k: v for k, v in (("ffn_size", ffn_size), ("num_heads", num_heads))
+                             if v is not None})
+    for alias, name in TE_ALIASES.items():
+        if alias in named:
+            if name in named:
+                raise TypeError(f"{owner}: got both {name}= and its alias {alias}=; pass one")
+            named[name] = named.pop(alias)
+    if not isinstance(hidden_size, LayerConfig):
+        named.setdefault("hidden_dropout", 0.1)
+        named.setdefault("attn_dropout", 0.1)
+        named.setdefault("activation", "gelu")
+        named.setdefault("activation_dropout", named["hidden_dropout"])
+    config = layer_config(owner, hidden_size, named.pop("ffn_size", None),
+                          named.pop("num_heads", None), named)
+    return kinds[layer_type](config, rngs=rngs)

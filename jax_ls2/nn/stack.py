@@ -16,6 +16,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.nn._common import resolve_deterministic
+from jax_ls2.nn.config import LayerConfig, layer_config
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
 
 LAYOUTS = ("auto", "batch", "seq")
@@ -39,18 +40,14 @@ def remat_call(layer, fn, *args):
     return out
 
 
-def _layer_kwargs(kw):
-    return {k: v for k, v in kw.items() if k not in ("final_layer_norm", "remat")}
-
-
-def _final_layer_norm(hidden_size, final_layer_norm, layer_kw):
+def _final_layer_norm(config: LayerConfig, final_layer_norm):
     """The stack's closing LayerNorm: by default present for pre-LN layers only."""
     if final_layer_norm is None:
-        final_layer_norm = layer_kw.get("pre_layer_norm", True)
+        final_layer_norm = config.pre_layer_norm
     if not final_layer_norm:
         return nnx.data(None)
-    return LayerNorm(hidden_size, epsilon=layer_kw.get("layer_norm_eps", 1e-5),
-                     dtype=layer_kw.get("dtype"), param_dtype=layer_kw.get("param_dtype", jnp.float32))
+    return LayerNorm(config.hidden_size, epsilon=config.epsilon, dtype=config.dtype,
+                     param_dtype=config.param_dtype)
 
 
 def _check_layout(owner, layout):
@@ -95,20 +92,22 @@ class TransformerEncoder(nnx.Module):
     x (batch, len, hidden) -> same shape. ``remat=True`` rematerialises each layer.
     ``layout``: the layout the layers run in, "batch", "seq" (sequence-first: the stack
     transposes x in and the result out) or "auto" (see `_seq_first`). Results, dropout
-    masks included, are the same in every layout. Other keyword arguments go to every
-    layer.
+    masks included, are the same in every layout. The layers' hyper-parameters: a
+    `LayerConfig` as ``hidden_size``, or ``hidden_size, ffn_size, num_heads`` and the other
+    `LayerConfig` fields as keyword arguments (see `TransformerEncoderLayer`); the stack
+    keeps it as ``config``.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
-                 final_layer_norm: bool | None = None, remat: bool = False, layout: str = "auto",
-                 rngs: nnx.Rngs, **layer_kw):
+    def __init__(self, num_layers: int, hidden_size: int | LayerConfig, ffn_size: int | None = None,
+                 num_heads: int | None = None, *, final_layer_norm: bool | None = None,
+                 remat: bool = False, layout: str = "auto", rngs: nnx.Rngs, **options):
         self.layout = _check_layout("TransformerEncoder", layout)
         if num_layers <= 0:
             raise ValueError(f"TransformerEncoder: num_layers must be positive, got {num_layers}")
-        self.layers = nnx.List([TransformerEncoderLayer(hidden_size, ffn_size, num_heads,
-                                                        rngs=rngs, **layer_kw)
+        self.config = layer_config("TransformerEncoder", hidden_size, ffn_size, num_heads, options)
+        self.layers = nnx.List([TransformerEncoderLayer(self.config, rngs=rngs)
                                 for _ in range(num_layers)])
-        self.final_ln = _final_layer_norm(hidden_size, final_layer_norm, layer_kw)
+        self.final_ln = _final_layer_norm(self.config, final_layer_norm)
         self.remat = remat
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
@@ -133,22 +132,24 @@ class TransformerDecoder(nnx.Module):
     ``__call__(x, memory, *, padding_mask=None, memory_padding_mask=None, deterministic=None)``:
     x (batch, tgt_len, hidden), memory (batch, src_len, hidden) -> (batch, tgt_len, hidden).
     ``batched_cross_kv=True`` (default) projects memory for all layers in one GEMM.
-    ``layout``: as in `TransformerEncoder` (memory is transposed with x).
+    ``layout``: as in `TransformerEncoder` (memory is transposed with x). The layers'
+    hyper-parameters: as in `TransformerEncoder`.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, ffn_size: int, num_heads: int, *,
-                 final_layer_norm: bool | None = None, batched_cross_kv: bool = True,
-                 remat: bool = False, layout: str = "auto", rngs: nnx.Rngs, **layer_kw):
+    def __init__(self, num_layers: int, hidden_size: int | LayerConfig, ffn_size: int | None = None,
+                 num_heads: int | None = None, *, final_layer_norm: bool | None = None,
+                 batched_cross_kv: bool = True, remat: bool = False, layout: str = "auto",
+                 rngs: nnx.Rngs, **options):
         self.layout = _check_layout("TransformerDecoder", layout)
         if num_layers <= 0:
             raise ValueError(f"TransformerDecoder: num_layers must be positive, got {num_layers}")
-        self.layers = nnx.List([TransformerDecoderLayer(hidden_size, ffn_size, num_heads,
-                                                        rngs=rngs, **layer_kw)
+        self.config = layer_config("TransformerDecoder", hidden_size, ffn_size, num_heads, options)
+        self.layers = nnx.List([TransformerDecoderLayer(self.config, rngs=rngs)
                                 for _ in range(num_layers)])
-        self.final_ln = _final_layer_norm(hidden_size, final_layer_norm, layer_kw)
+        self.final_ln = _final_layer_norm(self.config, final_layer_norm)
         self.batched_cross_kv = batched_cross_kv
         self.remat = remat
-        self.dtype = layer_kw.get("dtype")
+        self.dtype = self.config.dtype
 
     def cross_kv(self, memory):
         """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)

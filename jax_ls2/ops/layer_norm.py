@@ -227,15 +227,16 @@ def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
 _layer_norm_copies.defvjp(_layer_norm_copies_fwd, _layer_norm_copies_bwd, optimize_remat=True)
 
 
-def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input: bool = False,
+def layer_norm(x, gamma, beta, *, epsilon: float = 1e-5, residual=None, return_input: bool = False,
                copies: int = 1):
-    """LayerNorm over the last axis: ``(s - mean) / sqrt(var + eps) * gamma + beta``.
+    """LayerNorm over the last axis: ``(s - mean) / sqrt(var + epsilon) * gamma + beta``.
 
     Args:
       x: ``(..., hidden)`` float32, float16 or bfloat16; any hidden size >= 1.
       gamma, beta: ``(hidden,)`` floating; cast to ``x.dtype`` (as Flax does with
         ``dtype=``), their gradients come back in their own dtype.
-      eps: added to the variance.
+      epsilon: added to the variance; jax_ls2's default is 1e-5 (PyTorch's, LightSeq2's
+        and Transformer Engine's), where ``flax.nnx.LayerNorm``'s is 1e-6.
       residual: optional ``(..., hidden)`` in ``x.dtype``; then ``s = x + residual``
         (rounded to ``x.dtype``) is normalised instead of ``x``.
 
@@ -265,8 +266,8 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input
     _checks.check_shape(op, "beta", beta, (h,))
     if h == 0:
         raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{op}: eps must be a positive Python float, got {eps!r}")
+    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
     gamma = gamma.astype(x.dtype)
     beta = beta.astype(x.dtype)
     if not isinstance(return_input, bool):
@@ -278,14 +279,14 @@ def layer_norm(x, gamma, beta, *, eps: float = 1e-5, residual=None, return_input
     if residual is None:
         x, gamma, beta = match_varying(x, gamma, beta)
         if copies > 1:
-            return _layer_norm_copies(x, gamma, beta, float(eps), copies, return_input)
+            return _layer_norm_copies(x, gamma, beta, float(epsilon), copies, return_input)
         if return_input:
-            return _layer_norm_keep_input(x, gamma, beta, float(eps))
-        return _layer_norm(x, gamma, beta, float(eps))
+            return _layer_norm_keep_input(x, gamma, beta, float(epsilon))
+        return _layer_norm(x, gamma, beta, float(epsilon))
     if return_input:
         raise ValueError(f"{op}: return_input applies without residual (with residual, the sum is returned)")
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     x, residual, gamma, beta = match_varying(x, residual, gamma, beta)
-    return _add_layer_norm(x, residual, gamma, beta, float(eps))
+    return _add_layer_norm(x, residual, gamma, beta, float(epsilon))

@@ -1,0 +1,145 @@
+"""`LayerConfig`: the hyper-parameters every Transformer layer and stack takes, named once.
+
+The NNX layers (`TransformerEncoderLayer`, `TransformerDecoderLayer`), the stacks
+(`TransformerEncoder`, `TransformerDecoder`) and the Linen front ends all accept either
+a `LayerConfig` or its fields as arguments, and build the same `LayerConfig` from them::
+
+    TransformerEncoderLayer(768, 3072, 12, hidden_dropout=0.1, rngs=rngs)
+    cfg = LayerConfig(768, 3072, 12, hidden_dropout=0.1)
+    TransformerEncoderLayer(cfg, rngs=rngs)                   # the same layer
+    TransformerEncoderLayer(cfg, dtype=jnp.bfloat16, rngs=rngs)  # a field overridden
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jax_ls2.nn._common import check_activation, check_heads, check_rate
+from jax_ls2.nn.attention import BACKENDS
+
+# jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
+# flax.nnx.LayerNorm's default is 1e-6.
+EPSILON = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """One Transformer layer's hyper-parameters (hashable, so Linen modules may hold it).
+
+    Attributes:
+      hidden_size, ffn_size, num_heads: model width, FFN width and attention heads
+        (hidden_size % num_heads == 0).
+      pre_layer_norm: LayerNorm before each sub-block (True) or after the residual add.
+      activation: "relu", "gelu" (erf) or "gelu_tanh".
+      attn_dropout, activation_dropout, hidden_dropout: LightSeq2's three dropout rates
+        (attention probabilities, after the FFN activation, before each residual add),
+        each in [0, 1).
+      epsilon: LayerNorm epsilon (default 1e-5; ``flax.nnx.LayerNorm``'s is 1e-6).
+      attention_backend: "auto", "cudnn", "fused" or "xla" (see jax_ls2.nn.attention).
+      deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
+      dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+    """
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    pre_layer_norm: bool = True
+    activation: str = "relu"
+    attn_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    epsilon: float = EPSILON
+    attention_backend: str = "auto"
+    deterministic: bool | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for name, value in _checked("LayerConfig", _fields(self)).items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **overrides) -> "LayerConfig":
+        """A copy with some fields changed (validated again)."""
+        return layer_config("LayerConfig.replace", self, None, None, overrides)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LayerConfig))
+
+
+def _check_int(owner: str, name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _check_dtype(owner: str, name: str, value, allow_none: bool):
+    if value is None and allow_none:
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"{owner}: {name} must be a floating JAX dtype"
+                        f"{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _checked(owner: str, f: dict) -> dict:
+    """The fields `f` checked with `owner`'s name; rates and epsilon as Python floats."""
+    for name in ("hidden_size", "ffn_size", "num_heads"):
+        _check_int(owner, name, f[name])
+    if f["hidden_size"] <= 0 or f["ffn_size"] <= 0:
+        raise ValueError(f"{owner}: hidden_size and ffn_size must be positive, got "
+                         f"{f['hidden_size']} and {f['ffn_size']}")
+    check_heads(owner, f["hidden_size"], f["num_heads"])
+    if not isinstance(f["pre_layer_norm"], bool):
+        raise TypeError(f"{owner}: pre_layer_norm must be a Python bool, got "
+                        f"{type(f['pre_layer_norm']).__name__}")
+    if not isinstance(f["activation"], str):
+        raise TypeError(f"{owner}: activation must be a str, got {type(f['activation']).__name__}")
+    check_activation(owner, f["activation"])
+    f = dict(f)
+    for name in ("attn_dropout", "activation_dropout", "hidden_dropout"):
+        f[name] = check_rate(owner, name, f[name])
+    eps = f["epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{owner}: epsilon must be a positive float, got {eps!r}")
+    f["epsilon"] = float(eps)
+    if f["attention_backend"] not in BACKENDS:
+        raise ValueError(f"{owner}: attention_backend must be one of {BACKENDS}, got "
+                         f"{f['attention_backend']!r}")
+    if f["deterministic"] is not None and not isinstance(f["deterministic"], bool):
+        raise TypeError(f"{owner}: deterministic must be a Python bool or None, got "
+                        f"{type(f['deterministic']).__name__}")
+    _check_dtype(owner, "dtype", f["dtype"], allow_none=True)
+    _check_dtype(owner, "param_dtype", f["param_dtype"], allow_none=False)
+    return f
+
+
+def layer_config(owner: str, hidden_size, ffn_size, num_heads, options: dict) -> LayerConfig:
+    """The `LayerConfig` a constructor named `owner` was given, checked with its name.
+
+    Either ``hidden_size`` is a `LayerConfig` (then ``ffn_size`` and ``num_heads`` are
+    None, and `options` override its fields) or the three sizes are ints and `options`
+    are the other fields. Unknown option names raise TypeError.
+    """
+    unknown = sorted(set(options) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; the layer options "
+                        f"are {list(FIELDS[3:])}")
+    if isinstance(hidden_size, LayerConfig):
+        if ffn_size is not None or num_heads is not None:
+            raise TypeError(f"{owner}: pass a LayerConfig or hidden_size, ffn_size, num_heads, "
+                            f"not both")
+        return LayerConfig(**_checked(owner, {**_fields(hidden_size), **options}))
+    return LayerConfig(**_checked(owner, {**_DEFAULTS, "hidden_size": hidden_size,
+                                          "ffn_size": ffn_size, "num_heads": num_heads, **options}))
+
+
+def _fields(cfg: LayerConfig) -> dict:
+    return {name: getattr(cfg, name) for name in FIELDS}
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LayerConfig)
+             if f.default is not dataclasses.MISSING}
