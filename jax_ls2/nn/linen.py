@@ -23,15 +23,24 @@ must be given at call time (or fixed with ``deterministic=`` here). Keyword argu
 call are those of the NNX layer (``padding_mask``, ``causal``, ``memory``, ``cross_kv``,
 ``memory_padding_mask``, ``deterministic``).
 
-The same path works for any other jax_ls2 NNX module:
-``flax.nnx.bridge.to_linen(jax_ls2.nn.MultiHeadAttention, hidden, heads, ...)``.
+The building blocks have Linen front ends too: `LayerNorm`, `Embedding` and
+`MultiHeadAttention`, with the arguments of the NNX module of the same name (plus
+``name``) and its parameter tree::
+
+    ln = ls2_linen.LayerNorm(768, epsilon=1e-6)                 # Flax's default epsilon
+    attn = ls2_linen.MultiHeadAttention(768, 12, attn_dropout=0.1)
+    embed = ls2_linen.Embedding(50257, 768, max_positions=1024)
 """
 from __future__ import annotations
+
+import inspect
 
 from flax import linen as nn
 from flax import nnx
 from flax.nnx import bridge
 
+from jax_ls2.nn import attention as _attention
+from jax_ls2.nn import embedding as _embedding
 from jax_ls2.nn import layers as _layers
 from jax_ls2.nn.config import LayerConfig, layer_config
 
@@ -87,4 +96,52 @@ def TransformerDecoderLayer(hidden_size: int | LayerConfig, ffn_size: int | None
                   hidden_size, ffn_size, num_heads, name, options)
 
 
-__all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer"]
+def _block(owner, cls, args, name, kw):
+    """A ToLinen around `cls`, its arguments checked against `cls`'s constructor now (their
+    values are checked by `cls` itself at ``init``)."""
+    try:
+        inspect.signature(cls.__init__).bind(None, *args, rngs=None, **kw)
+    except TypeError as e:
+        raise TypeError(f"{owner}: {e} (the arguments are those of jax_ls2.nn.{cls.__name__}, "
+                        f"plus name)") from None
+    return bridge.to_linen(_linen_rngs(cls), *args, name=name, **kw)
+
+
+def LayerNorm(num_features: int, *, name: str | None = None, **kw) -> nn.Module:
+    """Linen module of `jax_ls2.nn.LayerNorm` (same arguments, plus ``name``).
+
+    Params ``scale`` and ``bias`` (num_features,), as ``flax.linen.LayerNorm``; epsilon
+    defaults to 1e-5, where Flax's is 1e-6. ``__call__(x, residual=None, *,
+    return_input=False, copies=1)``: x (..., num_features) -> LN(x) (see the NNX module
+    for the other forms).
+    """
+    return _block("linen.LayerNorm", _layers.LayerNorm, (num_features,), name, kw)
+
+
+def Embedding(vocab_size: int, hidden_size: int, *, name: str | None = None, **kw) -> nn.Module:
+    """Linen module of `jax_ls2.nn.Embedding` (same arguments, plus ``name``).
+
+    Params ``tokens.embedding`` (vocab_size, hidden_size) and, with ``max_positions``,
+    ``positions.embedding``. ``__call__(ids, *, positions=None, deterministic=None)``:
+    ids int (batch, len) -> (batch, len, hidden_size); embedding dropout keys from the
+    ``"dropout"`` stream of ``apply``. The tied output projection:
+    ``apply(variables, x, nnx_method="attend")``, x (..., hidden_size) -> (..., vocab_size).
+    """
+    return _block("linen.Embedding", _embedding.Embedding, (vocab_size, hidden_size), name, kw)
+
+
+def MultiHeadAttention(hidden_size: int, num_heads: int, *, name: str | None = None,
+                       **kw) -> nn.Module:
+    """Linen module of `jax_ls2.nn.MultiHeadAttention` (same arguments, plus ``name``).
+
+    Params: ``qkv`` (self-attention) or ``q`` and ``kv`` (``self_attention=False``), and
+    ``out``. ``__call__(x, memory=None, *, padding_mask=None, causal=False, kv=None,
+    deterministic=None)``: x (batch, q_len, hidden) -> same shape; attention-dropout keys
+    from the ``"dropout"`` stream of ``apply``.
+    """
+    return _block("linen.MultiHeadAttention", _attention.MultiHeadAttention,
+                  (hidden_size, num_heads), name, kw)
+
+
+__all__ = ["Embedding", "LayerNorm", "MultiHeadAttention", "TransformerDecoderLayer",
+           "TransformerEncoderLayer"]
