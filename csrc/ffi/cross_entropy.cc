@@ -1,10 +1,17 @@
 // XLA FFI handlers for the fused softmax cross entropy.
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/cross_entropy.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
+
+CrossEntropyLaunchOptions LaunchOptions() {
+  CrossEntropyLaunchOptions o;
+  o.threads = GetKernelOption(kCrossEntropyThreads);
+  o.pipeline = GetKernelOption(kCrossEntropyPipeline);
+  return o;
+}
 
 struct CeAttrs {
   float smoothing, z_loss;
@@ -34,7 +41,7 @@ ffi::Error Run(cudaStream_t stream, const char* op, const ffi::AnyBuffer& logits
                      at.ignore_index, at.has_ignore};
   return DispatchFloat(logits.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchCrossEntropy<T>(a, stream));
+    return CudaStatus(op, LaunchCrossEntropy<T>(a, LaunchOptions(), stream));
   });
 }
 

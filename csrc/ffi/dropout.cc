@@ -1,7 +1,7 @@
 // XLA FFI handlers for bias + dropout + residual and bias + activation + dropout.
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/dropout.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
@@ -10,6 +10,14 @@ const void* Ptr(const ffi::AnyBuffer& b) { return b.untyped_data(); }
 void* Ptr(ffi::Result<ffi::AnyBuffer>& b) { return b->untyped_data(); }
 float* F32(ffi::Result<ffi::AnyBuffer>& b) { return static_cast<float*>(b->untyped_data()); }
 const uint32_t* Seed(const ffi::AnyBuffer& b) { return static_cast<const uint32_t*>(b.untyped_data()); }
+
+DropoutLaunchOptions LaunchOptions() {
+  DropoutLaunchOptions o;
+  o.rows_in_flight = GetKernelOption(kDropoutRowsInFlight);
+  o.full_grid = GetKernelOption(kDropoutFullGrid);
+  o.prefetch = GetKernelOption(kDropoutPrefetch);
+  return o;
+}
 
 ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& rows_like, const ffi::AnyBuffer* bias,
                        const ffi::AnyBuffer& seed, int64_t threshold) {
@@ -48,7 +56,7 @@ ffi::Error BiasDropoutResidualFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi
   PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchBiasDropoutResidualFwd<T>(a, stream));
+    return CudaStatus(op, LaunchBiasDropoutResidualFwd<T>(a, LaunchOptions(), stream));
   });
 }
 
@@ -70,7 +78,7 @@ ffi::Error BiasDropoutResidualBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ff
   PoisonOutputs(stream, dx, dbias);
   return DispatchFloat(dy.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchBiasDropoutResidualBwd<T>(a, stream));
+    return CudaStatus(op, LaunchBiasDropoutResidualBwd<T>(a, LaunchOptions(), stream));
   });
 }
 
@@ -89,7 +97,7 @@ ffi::Error BiasActDropoutFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   PoisonOutputs(stream, y);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchBiasActDropoutFwd<T>(a, stream));
+    return CudaStatus(op, LaunchBiasActDropoutFwd<T>(a, LaunchOptions(), stream));
   });
 }
 
@@ -115,7 +123,7 @@ ffi::Error BiasActDropoutBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::An
   PoisonOutputs(stream, dx, dbias);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchBiasActDropoutBwd<T>(a, stream));
+    return CudaStatus(op, LaunchBiasActDropoutBwd<T>(a, LaunchOptions(), stream));
   });
 }
 

@@ -1,7 +1,7 @@
 // XLA FFI handlers for the token + position embedding with dropout.
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/embedding.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {

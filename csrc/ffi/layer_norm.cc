@@ -2,12 +2,19 @@
 #include <optional>
 #include <string>
 
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/layer_norm.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
+
+LayerNormBwdLaunchOptions LaunchOptions() {
+  LayerNormBwdLaunchOptions o;
+  o.elems = GetKernelOption(kLayerNormBwdElems);
+  o.stages = GetKernelOption(kLayerNormBwdStages);
+  return o;
+}
 
 const void* Ptr(const ffi::AnyBuffer& b) { return b.untyped_data(); }
 void* Ptr(ffi::Result<ffi::AnyBuffer>& b) { return b->untyped_data(); }
@@ -71,7 +78,7 @@ ffi::Error Bwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& dy, co
   PoisonOutputs(stream, dx, dgamma, dbeta);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchLayerNormBwd<T>(a, stream));
+    return CudaStatus(op, LaunchLayerNormBwd<T>(a, LaunchOptions(), stream));
   });
 }
 

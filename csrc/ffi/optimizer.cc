@@ -21,15 +21,15 @@
 #include <cstring>
 #include <string>
 
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/optimizer.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
 
 using optim::LeafTable;
-constexpr int kFlatGrads = 512;  // Mode bit used by the handler only: grads come as one flat buffer
+using optim::kFlatGrads;
 
 ffi::Error Invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);

@@ -24,22 +24,26 @@ struct Registrar {
 
 // Launch choices a benchmark may override from Python, through
 // jax_ls2._C.set_kernel_option(name, value); 0 everywhere means the built-in choice.
-// Read when a handler runs. XLA may capture custom calls into a CUDA graph on a
-// program's first run and replay it without calling the handler again, so a setting
-// reaches the programs first run after it is set: compile a fresh one per setting.
+// Read when a handler runs, which passes them to its launcher (the kernels'
+// *LaunchOptions structs, whose fields say what each value selects). XLA may capture
+// custom calls into a CUDA graph on a program's first run and replay it without calling
+// the handler again, so a setting reaches the programs first run after it is set:
+// compile a fresh one per setting.
 enum KernelOption : int {
-  kDropoutRowsInFlight = 0,  // "dropout_rows_in_flight": 2, 4 or 8 (bfloat16, 16-byte path)
-  kDropoutFullGrid,          // "dropout_full_grid": 1 = forward grids cover every row once
-  kSoftmaxElems,             // "softmax_elems": 16 or 32 elements per thread (bfloat16, 16-byte path)
-  kLayerNormBwdElems,        // "layer_norm_bwd_elems": elements per thread of the backward: 8 or 16 for the
-                             // staged kernel, 16 or 32 for the register kernel (bfloat16, 16-byte path)
-  kLayerNormBwdStages,       // "layer_norm_bwd_stages": 1 = the register kernel instead of the staged one
-                             // (16-bit, 16-byte path, sm_90); 2..8 = the staged kernel's stages
-  kCrossEntropyThreads,      // "cross_entropy_threads": 256 or 1024 threads per row instead of up to 512
-  kCrossEntropyPipeline,     // "cross_entropy_pipeline": 1 = row-staging off (the row-per-block kernel)
-  kDropoutPrefetch,          // "dropout_prefetch": 2 = the kernel that does not load the next rows before computing
-                             // the current ones (bfloat16, 16-byte path; prefetching is the built-in choice)
+  kDropoutRowsInFlight = 0,  // DropoutLaunchOptions::rows_in_flight
+  kDropoutFullGrid,          // DropoutLaunchOptions::full_grid
+  kSoftmaxElems,             // SoftmaxLaunchOptions::elems
+  kLayerNormBwdElems,        // LayerNormBwdLaunchOptions::elems
+  kLayerNormBwdStages,       // LayerNormBwdLaunchOptions::stages
+  kCrossEntropyThreads,      // CrossEntropyLaunchOptions::threads
+  kCrossEntropyPipeline,     // CrossEntropyLaunchOptions::pipeline
+  kDropoutPrefetch,          // DropoutLaunchOptions::prefetch
   kNumKernelOptions
+};
+// The Python names of the options, indexed by KernelOption.
+inline constexpr const char* kKernelOptionNames[kNumKernelOptions] = {
+    "dropout_rows_in_flight", "dropout_full_grid",     "softmax_elems",          "layer_norm_bwd_elems",
+    "layer_norm_bwd_stages",  "cross_entropy_threads", "cross_entropy_pipeline", "dropout_prefetch",
 };
 inline std::atomic<int>* KernelOptions() {
   static std::atomic<int> values[kNumKernelOptions] = {};

@@ -2,12 +2,18 @@
 #include <limits>
 #include <vector>
 
-#include "common.cuh"
+#include "ffi/common.h"
+#include "ffi/registry.h"
 #include "kernels/softmax.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
+
+SoftmaxLaunchOptions LaunchOptions() {
+  SoftmaxLaunchOptions o;
+  o.elems = GetKernelOption(kSoftmaxElems);
+  return o;
+}
 
 struct Entry {
   int64_t n, b, m;  // size, bias stride, mask stride
@@ -120,7 +126,7 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   PoisonOutputs(stream, y, stats);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchSoftmaxFwd<T>(a, stream));
+    return CudaStatus(op, LaunchSoftmaxFwd<T>(a, LaunchOptions(), stream));
   });
 }
 
@@ -146,7 +152,7 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   a.grad_scale = grad_scale;
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaStatus(op, LaunchSoftmaxBwd<T>(a, stream));
+    return CudaStatus(op, LaunchSoftmaxBwd<T>(a, LaunchOptions(), stream));
   });
 }
 

@@ -3,7 +3,7 @@
 // in a fixed order, so the result is the same in every run.
 // Internal linkage: each translation unit gets its own copy.
 #pragma once
-#include "common.cuh"
+#include "kernels/common.cuh"
 
 namespace jax_ls2 {
 namespace {

@@ -1,70 +1,24 @@
-// Shared helpers for jax_ls2 kernels and FFI handlers: dtype dispatch, CUDA error
-// mapping, vectorised access, reductions and the dropout hash.
+// Shared helpers of the kernels: the device count of SMs, vectorised access, fast math,
+// reductions and the dropout hash. CUDA only: no XLA header may be included under
+// csrc/kernels/ (the build compiles the kernels without XLA's include path).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
-#include "xla/ffi/api/ffi.h"
-
 namespace jax_ls2 {
-namespace ffi = xla::ffi;
 
-// ---------------------------------------------------------------- dispatch
-// Calls fn(T{}) with T = float, __half or __nv_bfloat16 for the buffer's dtype,
-// or returns InvalidArgument naming the op.
-template <typename Fn>
-ffi::Error DispatchFloat(ffi::DataType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: return fn(float{});
-    case ffi::DataType::F16: return fn(__half{});
-    case ffi::DataType::BF16: return fn(__nv_bfloat16{});
-    default:
-      return ffi::Error::InvalidArgument(std::string(op) +
-                                         ": unsupported dtype (expected float32, float16 or bfloat16)");
-  }
-}
+// Rows of partial column sums a row-reducing backward (dbias, dgamma and dbeta) writes at
+// most, one per block: the Python ops size the workspace (kMaxPartialRows, ...) with it,
+// and the column fold (column_fold.cuh) reads them all in one memory round trip.
+constexpr int kMaxPartialRows = 264;
 
-// Turns the last CUDA error into an FFI error naming the op.
-inline ffi::Error LastCudaError(const char* op) {
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
-
-// Turns a launcher's status into an FFI error naming the op.
-inline ffi::Error CudaStatus(const char* op, cudaError_t err) {
-  if (err == cudaSuccess) err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
-
-// Test aid: with JAX_LS2_POISON_OUTPUTS=1 in the environment, handlers fill their
-// (non-aliased, non-workspace) outputs with all-ones bits, a NaN in every float dtype,
-// before launching, so an element a kernel fails to write shows up as NaN.
-inline bool PoisonOutputsEnabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_LS2_POISON_OUTPUTS");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
-}
-inline void PoisonOutputs(cudaStream_t) {}
-template <typename... Rest>
-inline void PoisonOutputs(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& out, Rest&... rest) {
-  if (!PoisonOutputsEnabled()) return;
-  if (out->size_bytes() > 0) cudaMemsetAsync(out->untyped_data(), 0xFF, out->size_bytes(), stream);
-  PoisonOutputs(stream, rest...);
-}
+// The multipliers of the dropout hash (DropoutHash below; jax_ls2/_random.py repeats it).
+constexpr uint32_t kDropoutIndexMul = 0x9e3779b1u;
+constexpr uint32_t kMix32Mul1 = 0x7feb352du, kMix32Mul2 = 0x846ca68bu;
 
 // Streaming multiprocessors of the current device (132 when it cannot be queried).
 inline int SmCount() {
@@ -78,18 +32,6 @@ inline int SmCount() {
     return n > 0 ? n : 132;
   }();
   return count;
-}
-
-// Number of rows when the last dimension is the row length.
-inline int64_t LeadingCount(const ffi::AnyBuffer& buf) {
-  auto dims = buf.dimensions();
-  int64_t n = 1;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) n *= dims[i];
-  return n;
-}
-inline int64_t LastDim(const ffi::AnyBuffer& buf) {
-  auto dims = buf.dimensions();
-  return dims.size() == 0 ? 1 : dims[dims.size() - 1];
 }
 
 // Device code from here on: host-only translation units (the FFI handlers, compiled as
@@ -215,17 +157,17 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
 // (non-zero only for shards of a partitioned array). Element i (global index
 // g = offset + i) is kept iff the 16-bit draw u16(g) >= threshold, where
 // threshold = round(rate * 65536); u16(g) is the low (even g) or high (odd g) half of
-// DropoutHash(g & ~1) = Mix32(((g & ~1) * 0x9e3779b1 + k0) ^ k1) (uint32 arithmetic).
+// DropoutHash(g & ~1) = Mix32(((g & ~1) * kDropoutIndexMul + k0) ^ k1) (uint32 arithmetic).
 //
 // One Mix32 per pair of elements, about 9 integer instructions: the hash is the bulk
 // of the dropout kernels' arithmetic, so it gets one round, not two (19). Hashing the
-// even index rather than g >> 1 lets consecutive pairs share g0 * 0x9e3779b1 + k0 (one
+// even index rather than g >> 1 lets consecutive pairs share g0 * kDropoutIndexMul + k0 (one
 // add each) and wrap exactly as the uint32 index does.
 __device__ __forceinline__ uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x7feb352du;
+  x *= kMix32Mul1;
   x ^= x >> 15;
-  x *= 0x846ca68bu;
+  x *= kMix32Mul2;
   x ^= x >> 16;
   return x;
 }
@@ -233,11 +175,11 @@ __device__ __forceinline__ uint32_t DropoutHash(uint32_t even_g, uint32_t k0, ui
   // Mix32(w ^ k1) with w = even_g * C + k0, its first step written as
   // w ^ (w >> 16) ^ (k1 ^ (k1 >> 16)): the k1 term is loop-invariant, so the step
   // stays one shift and one three-input xor.
-  uint32_t x = even_g * 0x9e3779b1u + k0;
+  uint32_t x = even_g * kDropoutIndexMul + k0;
   x ^= (x >> 16) ^ (k1 ^ (k1 >> 16));
-  x *= 0x7feb352du;
+  x *= kMix32Mul1;
   x ^= x >> 15;
-  x *= 0x846ca68bu;
+  x *= kMix32Mul2;
   x ^= x >> 16;
   return x;
 }

@@ -11,12 +11,12 @@
 // (CACHE: one DRAM read per element in all), otherwise again from global memory
 // (usually an L2 hit). Ignored rows get loss 0 and a zero gradient row; a label
 // outside [0, vocab) gives a NaN loss and a NaN gradient row.
-#include "common.cuh"
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/common.cuh"
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_reduce.cuh"
-#include "registry.h"
-
-#include <type_traits>
 
 namespace jax_ls2 {
 namespace {
@@ -206,18 +206,18 @@ cudaError_t Launch(const CrossEntropyArgs& a, int threads, size_t smem, cudaStre
 }  // namespace
 
 template <typename T>
-cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream) {
+cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, const CrossEntropyLaunchOptions& o, cudaStream_t stream) {
   if (a.rows == 0 || a.vocab == 0) return cudaSuccess;
   cudaError_t staged_err;
-  if (LaunchCrossEntropyStaged<T>(a, stream, &staged_err)) return staged_err;
+  if (LaunchCrossEntropyStaged<T>(a, o, stream, &staged_err)) return staged_err;
   constexpr int kVec = kPack<T>;
   const uintptr_t xa = reinterpret_cast<uintptr_t>(a.logits), ga = reinterpret_cast<uintptr_t>(a.grad);
   const bool vec = a.grad == nullptr || (xa & 15) == (ga & 15);
   int threads = 32;
-  const int opt = GetKernelOption(kCrossEntropyThreads);
+  const int opt = o.threads;
   // The 1024-thread variant exists for bfloat16 with 16-byte accesses only.
-  // Loss only: 256 threads a row (bf16 16384 x 50257 on the H200: 89% of copy bandwidth
-  // against 80% at 512; the launch-option sweep in bench/PERF_NOTES.md).
+  // Loss only: 256 threads a row, the fastest in the launch-option sweep
+  // (bench/PERF_NOTES.md, "Kernel design history").
   const int cap = opt == 256 || (opt == 1024 && std::is_same_v<T, __nv_bfloat16> && vec) ? opt
                   : a.grad == nullptr ? 256 : kThreads;
   while (threads < cap && (int64_t)threads * kVec * 2 < a.vocab) threads <<= 1;
@@ -246,8 +246,8 @@ cudaError_t LaunchScale(const ScaleArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-#define JAX_LS2_INSTANTIATE(T)                                                           \
-  template cudaError_t LaunchCrossEntropy<T>(const CrossEntropyArgs&, cudaStream_t); \
+#define JAX_LS2_INSTANTIATE(T)                                                                                   \
+  template cudaError_t LaunchCrossEntropy<T>(const CrossEntropyArgs&, const CrossEntropyLaunchOptions&, cudaStream_t); \
   template cudaError_t LaunchScale<T>(const ScaleArgs&, cudaStream_t);
 JAX_LS2_INSTANTIATE(float)
 JAX_LS2_INSTANTIATE(__half)

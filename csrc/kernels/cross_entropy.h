@@ -31,13 +31,22 @@ struct ScaleArgs {
   int64_t n;
 };
 
+// Launch choices a benchmark may override (the FFI handlers fill them from the options
+// set through jax_ls2._C.set_kernel_option); 0 keeps the built-in choice.
+struct CrossEntropyLaunchOptions {
+  int threads = 0;   // 256 or 1024 threads per row instead of up to 512 (1024: bfloat16, 16-byte path);
+                     // also turns row-staging off
+  int pipeline = 0;  // 1: row-staging off (the row-per-block kernel)
+};
+
 template <typename T>
-cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, cudaStream_t stream);
+cudaError_t LaunchCrossEntropy(const CrossEntropyArgs& a, const CrossEntropyLaunchOptions& o, cudaStream_t stream);
 // The row-staging loss+gradient kernel (cross_entropy_staged.cu): 16-bit logits with
 // 16k to 56k columns on sm_90+. Returns false, launching nothing, where it does not
 // apply; else true with the launch status in *err.
 template <typename T>
-bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cudaError_t* err);
+bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, const CrossEntropyLaunchOptions& o, cudaStream_t stream,
+                              cudaError_t* err);
 template <typename T>
 cudaError_t LaunchScale(const ScaleArgs& a, cudaStream_t stream);
 

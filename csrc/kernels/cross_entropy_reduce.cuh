@@ -5,7 +5,7 @@
 #pragma once
 #include <type_traits>
 
-#include "common.cuh"
+#include "kernels/common.cuh"
 
 namespace jax_ls2 {
 namespace {

@@ -6,23 +6,22 @@
 // engine (cp.async.bulk, completion on an mbarrier) already loads row k + 1 into the other
 // buffer, so every logit crosses DRAM once and the loads of the next row overlap the
 // arithmetic and the stores of this one. The row's 16-byte-aligned body is staged; the
-// few elements before and after it are read and written directly. (Writing the gradient
-// back into the staged row and storing it by one bulk copy, to keep DRAM busy through
-// the next row's reductions, measured slower on the H200: 68.5% against 75.4% of copy
-// bandwidth at 16384 x 50257.)
+// few elements before and after it are read and written directly; the gradient is
+// stored directly too (the alternatives tried: bench/PERF_NOTES.md, "Kernel design
+// history").
 //
 // Per row: max over the row; d = sum exp2(x * log2e - m * log2e) (and sum x when label
 // smoothing needs it); then
 //   grad = s * (p * (1 + 2 z lse) - (1 - eps) * onehot - eps / vocab),  p = exp(x - m) / d
 // in the logits dtype, and loss = lse - (1 - eps) x[label] - eps mean(x) + z lse^2, as in
 // cross_entropy.cu (same conventions for ignored rows and labels outside the vocabulary).
-#include "common.cuh"
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/common.cuh"
 #include "kernels/bulk_copy.cuh"
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_reduce.cuh"
-#include "registry.h"
-
-#include <type_traits>
 
 namespace jax_ls2 {
 namespace {
@@ -207,14 +206,15 @@ __global__ void __launch_bounds__(kStagedThreads, 1) CrossEntropyStagedKernel(Cr
 }  // namespace
 
 template <typename T>
-bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cudaError_t* err) {
+bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, const CrossEntropyLaunchOptions& o, cudaStream_t stream,
+                              cudaError_t* err) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
     *err = cudaSuccess;
     // Off (the row-per-block kernel runs) when asked (1), or when a thread count is asked
     // of the row-per-block kernel.
-    if (GetKernelOption(kCrossEntropyPipeline) == 1 || GetKernelOption(kCrossEntropyThreads) != 0) return false;
+    if (o.pipeline == 1 || o.threads != 0) return false;
     if (a.grad == nullptr || a.rows == 0) return false;
     // Rows short enough that many blocks per SM do better, or too long to stage twice.
     const size_t buf_packs = static_cast<size_t>(a.vocab) / kPack<T> + 1;
@@ -236,8 +236,11 @@ bool LaunchCrossEntropyStaged(const CrossEntropyArgs& a, cudaStream_t stream, cu
   }
 }
 
-template bool LaunchCrossEntropyStaged<float>(const CrossEntropyArgs&, cudaStream_t, cudaError_t*);
-template bool LaunchCrossEntropyStaged<__half>(const CrossEntropyArgs&, cudaStream_t, cudaError_t*);
-template bool LaunchCrossEntropyStaged<__nv_bfloat16>(const CrossEntropyArgs&, cudaStream_t, cudaError_t*);
+template bool LaunchCrossEntropyStaged<float>(const CrossEntropyArgs&, const CrossEntropyLaunchOptions&,
+                                              cudaStream_t, cudaError_t*);
+template bool LaunchCrossEntropyStaged<__half>(const CrossEntropyArgs&, const CrossEntropyLaunchOptions&,
+                                               cudaStream_t, cudaError_t*);
+template bool LaunchCrossEntropyStaged<__nv_bfloat16>(const CrossEntropyArgs&, const CrossEntropyLaunchOptions&,
+                                                      cudaStream_t, cudaError_t*);
 
 }  // namespace jax_ls2

@@ -9,38 +9,36 @@
 // second kernel sums the partial rows (fixed order, so dbias is deterministic).
 //
 // Dropout: element g = seed[2] + row * hidden + col (uint32, wrapping) is kept iff
-// its 16-bit draw >= threshold (csrc/common.cuh, jax_ls2/_random.py); one hash
+// its 16-bit draw >= threshold (kernels/common.cuh, jax_ls2/_random.py); one hash
 // gives the draws of an aligned pair. Sequence-first activations (seq_batch > 0: rows
 // (len, batch) flattened) number row t * batch + j as j * len + t, the row it has in
 // the batch-first layout, so both layouts draw the same mask and a shard along batch
 // needs only its element offset. threshold == 0 selects a variant that
 // neither hashes nor scales. The backward regenerates the mask from the seed.
 #include <algorithm>
-
+#include <initializer_list>
 #include <type_traits>
 
-#include "common.cuh"
+#include "kernels/common.cuh"
 #include "kernels/column_fold.cuh"
 #include "kernels/dropout.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
 
 constexpr int kMaxThreads = 512;
-// Rows each thread loads before computing (measured on the H200, bfloat16, the
-// dropout_rows_in_flight sweep in bench/PERF_NOTES.md): 4 for the kernels streaming two
-// inputs; 2 for the activation forward, whose arithmetic (the hash, erf) needs the
-// occupancy more than the bytes in flight; 8 for the bias+dropout+residual backward at
-// hidden sizes above 2048, 2 at smaller ones (RowsFor). (At 8192 x 4096 its
-// prefetching kernel, 4 rows a step at 95 registers and one block per SM, beat 2 rows
-// a step at 64 registers and two blocks: 74.4% against 69.6% of copy bandwidth.)
+// Rows each thread loads before computing (chosen by the dropout_rows_in_flight sweep,
+// bench/PERF_NOTES.md): 4 for the kernels streaming two inputs; 2 for the activation
+// forward, whose arithmetic (the hash, erf) needs the occupancy more than the bytes in
+// flight; 8 for the bias+dropout+residual backward at hidden sizes above 2048 (its
+// prefetching kernel then takes 4 rows a step at one block per SM rather than 2 at two),
+// 2 at smaller ones (RowsFor).
 enum Kind : int { kBdrFwd = 0, kBdrBwd = 1, kActFwd = 2, kActBwd = 3 };
 constexpr int RowsInFlight(int kind) { return kind == kBdrBwd ? 8 : kind == kActFwd ? 2 : 4; }
 
 // bfloat16 with 16-byte accesses (the path models take) runs the prefetching kernel
-// (PF below; the option dropout_prefetch=2 turns it off): on the H200 it was faster than
-// the plain one on every op and shape benchmarked (bench/PERF_NOTES.md, "Prefetch").
+// (PF below; the option dropout_prefetch=2 turns it off), the faster of the two on every
+// op and shape benchmarked (bench/PERF_NOTES.md, "Prefetch").
 // Its rows per step: half the plain kernel's, so its two sets of packs in registers take
 // about what the plain one's one set does; the activation forward (2 rows, 64 registers
 // either way) keeps its 2.
@@ -337,9 +335,9 @@ struct Shape {
 // Rows each thread loads before computing: the kind's default, or the benchmark
 // override (bfloat16 with 16-byte accesses only, the variants compiled for it).
 template <typename T>
-int RowsFor(int kind, int vec, int64_t hidden) {
+int RowsFor(int kind, int vec, int64_t hidden, const DropoutLaunchOptions& o) {
   if (!std::is_same_v<T, __nv_bfloat16> || vec != kPack<T>) return RowsInFlight(kind);
-  const int u = GetKernelOption(kDropoutRowsInFlight);
+  const int u = o.rows_in_flight;
   if (u == 2 || u == 4 || u == 8) return u;
   return kind == kBdrBwd && hidden <= 2048 ? 2 : RowsInFlight(kind);
 }
@@ -347,8 +345,8 @@ int RowsFor(int kind, int vec, int64_t hidden) {
 // Forward grids are one resident wave (each block strides over rows) unless the
 // benchmark override asks for one block per U * ty rows; backward grids always are one
 // wave (one partial dbias row per block).
-bool FullGrid(int kind) {
-  return (kind == kBdrFwd || kind == kActFwd) && GetKernelOption(kDropoutFullGrid) == 1;
+bool FullGrid(int kind, const DropoutLaunchOptions& o) {
+  return (kind == kBdrFwd || kind == kActFwd) && o.full_grid == 1;
 }
 
 // Column vectors per block in the backward: narrow column chunks (grid.y) leave fewer
@@ -361,7 +359,8 @@ int BwdColumnThreads(int64_t nvec) { return nvec <= 128 ? 32 : 128; }
 
 // Block (tx, ty) with tx covering the column vectors (chunks of <= 512 in grid.y, of
 // BwdColumnThreads in the backward); grid.x row-blocks, at most max_blocks.
-Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int u, int64_t max_blocks) {
+Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int u, int64_t max_blocks,
+                const DropoutLaunchOptions& o) {
   const int64_t nvec = hidden / vec;
   const bool bwd = kind == kBdrBwd || kind == kActBwd;
   const int tx = (int)std::min<int64_t>((nvec + 31) / 32 * 32, bwd ? BwdColumnThreads(nvec) : kMaxThreads);
@@ -369,7 +368,8 @@ Shape PickShape(int kind, int64_t rows, int64_t hidden, int vec, int u, int64_t 
   const int64_t gy = (nvec + tx - 1) / tx;
   const int64_t per_block = (int64_t)ty * u;
   const int64_t need = (rows + per_block - 1) / per_block;
-  const int64_t resident = FullGrid(kind) ? need : std::max<int64_t>(1, (int64_t)SmCount() * (2048 / (tx * ty)) / gy);
+  const int64_t resident =
+      FullGrid(kind, o) ? need : std::max<int64_t>(1, (int64_t)SmCount() * (2048 / (tx * ty)) / gy);
   const int64_t gx = std::max<int64_t>(1, std::min({need, resident, max_blocks}));
   return Shape{dim3(tx, ty), dim3((unsigned)gx, (unsigned)gy), vec};
 }
@@ -386,13 +386,14 @@ int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
 // Caps grid.x at what stays resident (one wave) and launches; sh.grid.x is then
 // the number of partial rows the backward writes.
 template <typename Kernel>
-void LaunchResident(Kernel kernel, int* per_sm_cache, int kind, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+void LaunchResident(Kernel kernel, int* per_sm_cache, int kind, Shape& sh, const KernelArgs& k,
+                    const DropoutLaunchOptions& o, cudaStream_t stream) {
   const int threads = (int)(sh.block.x * sh.block.y);
   int& per_sm = per_sm_cache[threads / 32];  // occupancy depends only on the block size here
   if (per_sm == 0 &&
       (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || per_sm < 1))
     per_sm = 1;
-  if (!FullGrid(kind)) {
+  if (!FullGrid(kind, o)) {
     const int64_t cap = std::max<int64_t>(1, (int64_t)per_sm * SmCount() / sh.grid.y);
     sh.grid.x = (unsigned)std::min<int64_t>(sh.grid.x, cap);
   }
@@ -400,57 +401,57 @@ void LaunchResident(Kernel kernel, int* per_sm_cache, int kind, Shape& sh, const
 }
 
 template <typename T, int KIND, int ACT, bool DROP, int U>
-void LaunchRows(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+void LaunchRows(Shape& sh, const KernelArgs& k, const DropoutLaunchOptions& o, cudaStream_t stream) {
   constexpr int kVec = kPack<T>;
   static int per_sm_vec[kMaxThreads / 32 + 1] = {}, per_sm_scalar[kMaxThreads / 32 + 1] = {};
   if (sh.vec == kVec) {
     if constexpr (std::is_same_v<T, __nv_bfloat16> && (U == RowsInFlight(KIND) || U == 2)) {
       static int per_sm_pf[kMaxThreads / 32 + 1] = {};
-      if (GetKernelOption(kDropoutPrefetch) != 2)
+      if (o.prefetch != 2)
         return LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, PrefetchRows(KIND, U), true>, per_sm_pf,
-                              KIND, sh, k, stream);
+                              KIND, sh, k, o, stream);
     }
-    LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, U>, per_sm_vec, KIND, sh, k, stream);
+    LaunchResident(DropoutKernel<T, kVec, KIND, ACT, DROP, U>, per_sm_vec, KIND, sh, k, o, stream);
   } else if constexpr (U == RowsInFlight(KIND)) {  // overrides take the 16-byte path only
-    LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP, U>, per_sm_scalar, KIND, sh, k, stream);
+    LaunchResident(DropoutKernel<T, 1, KIND, ACT, DROP, U>, per_sm_scalar, KIND, sh, k, o, stream);
   }
 }
 
 template <typename T, int KIND, int ACT, bool DROP>
-void LaunchOne(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+void LaunchOne(Shape& sh, const KernelArgs& k, const DropoutLaunchOptions& o, cudaStream_t stream) {
   constexpr int kDefault = RowsInFlight(KIND);
-  const int u = RowsFor<T>(KIND, sh.vec, k.hidden);
+  const int u = RowsFor<T>(KIND, sh.vec, k.hidden, o);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (u != kDefault) {
-      if (u == 2) return LaunchRows<T, KIND, ACT, DROP, 2>(sh, k, stream);
-      if (u == 4) return LaunchRows<T, KIND, ACT, DROP, 4>(sh, k, stream);
-      if (u == 8) return LaunchRows<T, KIND, ACT, DROP, 8>(sh, k, stream);
+      if (u == 2) return LaunchRows<T, KIND, ACT, DROP, 2>(sh, k, o, stream);
+      if (u == 4) return LaunchRows<T, KIND, ACT, DROP, 4>(sh, k, o, stream);
+      if (u == 8) return LaunchRows<T, KIND, ACT, DROP, 8>(sh, k, o, stream);
     }
   }
-  LaunchRows<T, KIND, ACT, DROP, kDefault>(sh, k, stream);
+  LaunchRows<T, KIND, ACT, DROP, kDefault>(sh, k, o, stream);
 }
 
 template <typename T, int KIND, int ACT>
-void LaunchDrop(Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+void LaunchDrop(Shape& sh, const KernelArgs& k, const DropoutLaunchOptions& o, cudaStream_t stream) {
   if (k.threshold == 0)
-    LaunchOne<T, KIND, ACT, false>(sh, k, stream);
+    LaunchOne<T, KIND, ACT, false>(sh, k, o, stream);
   else
-    LaunchOne<T, KIND, ACT, true>(sh, k, stream);
+    LaunchOne<T, KIND, ACT, true>(sh, k, o, stream);
 }
 
 template <typename T, int KIND>
-cudaError_t LaunchAct(int act, Shape& sh, const KernelArgs& k, cudaStream_t stream) {
+cudaError_t LaunchAct(int act, Shape& sh, const KernelArgs& k, const DropoutLaunchOptions& o, cudaStream_t stream) {
   switch (act) {
-    case kActRelu: LaunchDrop<T, KIND, kActRelu>(sh, k, stream); break;
-    case kActGelu: LaunchDrop<T, KIND, kActGelu>(sh, k, stream); break;
-    case kActGeluTanh: LaunchDrop<T, KIND, kActGeluTanh>(sh, k, stream); break;
+    case kActRelu: LaunchDrop<T, KIND, kActRelu>(sh, k, o, stream); break;
+    case kActGelu: LaunchDrop<T, KIND, kActGelu>(sh, k, o, stream); break;
+    case kActGeluTanh: LaunchDrop<T, KIND, kActGeluTanh>(sh, k, o, stream); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
 
 template <typename T, int KIND>
-cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
+cudaError_t Bwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream) {
   if (a.hidden == 0) return cudaSuccess;
   if (a.rows == 0) {
     cudaMemsetAsync(a.dbias, 0, a.hidden * sizeof(float), stream);
@@ -460,15 +461,15 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
   const int vec = PickVec<T>(a.hidden, {a.dy, a.x, a.bias, a.dx});
   // Row blocks (= partial dbias rows): at most 2 per SM, fewer when the columns take
   // several chunks (LaunchResident).
-  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden),
-                       std::min<int64_t>(a.max_parts, 2 * SmCount()));
+  Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden, o),
+                       std::min<int64_t>(a.max_parts, 2 * SmCount()), o);
   KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
-    LaunchDrop<T, KIND, kActRelu>(sh, k, stream);
+    LaunchDrop<T, KIND, kActRelu>(sh, k, o, stream);
     err = cudaGetLastError();
   } else {
-    err = LaunchAct<T, KIND>(a.activation, sh, k, stream);
+    err = LaunchAct<T, KIND>(a.activation, sh, k, o, stream);
   }
   if (err != cudaSuccess) return err;
   LaunchSumColumnPartials(a.partials, (int)sh.grid.x, a.hidden, a.hidden, a.dbias, nullptr, stream);
@@ -478,39 +479,41 @@ cudaError_t Bwd(const DropoutBwdArgs& a, cudaStream_t stream) {
 }  // namespace
 
 template <typename T>
-cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
+cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
-  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec, a.hidden), INT32_MAX);
+  Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec, a.hidden, o), INT32_MAX, o);
   KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
-  LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, stream);
+  LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, o, stream);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream) {
+cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream) {
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
-  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec, a.hidden), INT32_MAX);
+  Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec, a.hidden, o), INT32_MAX, o);
   KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
-  return LaunchAct<T, kActFwd>(a.activation, sh, k, stream);
+  return LaunchAct<T, kActFwd>(a.activation, sh, k, o, stream);
 }
 
 template <typename T>
-cudaError_t LaunchBiasDropoutResidualBwd(const DropoutBwdArgs& a, cudaStream_t stream) {
-  return Bwd<T, kBdrBwd>(a, stream);
+cudaError_t LaunchBiasDropoutResidualBwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream) {
+  return Bwd<T, kBdrBwd>(a, o, stream);
 }
 
 template <typename T>
-cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, cudaStream_t stream) {
-  return Bwd<T, kActBwd>(a, stream);
+cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream) {
+  return Bwd<T, kActBwd>(a, o, stream);
 }
 
-#define JAX_LS2_INSTANTIATE(T)                                                                   \
-  template cudaError_t LaunchBiasDropoutResidualFwd<T>(const DropoutFwdArgs&, cudaStream_t);    \
-  template cudaError_t LaunchBiasDropoutResidualBwd<T>(const DropoutBwdArgs&, cudaStream_t);    \
-  template cudaError_t LaunchBiasActDropoutFwd<T>(const DropoutFwdArgs&, cudaStream_t);         \
-  template cudaError_t LaunchBiasActDropoutBwd<T>(const DropoutBwdArgs&, cudaStream_t);
+#define JAX_LS2_INSTANTIATE(T)                                                                             \
+  template cudaError_t LaunchBiasDropoutResidualFwd<T>(const DropoutFwdArgs&, const DropoutLaunchOptions&,   \
+                                                       cudaStream_t);                                        \
+  template cudaError_t LaunchBiasDropoutResidualBwd<T>(const DropoutBwdArgs&, const DropoutLaunchOptions&,   \
+                                                       cudaStream_t);                                        \
+  template cudaError_t LaunchBiasActDropoutFwd<T>(const DropoutFwdArgs&, const DropoutLaunchOptions&, cudaStream_t); \
+  template cudaError_t LaunchBiasActDropoutBwd<T>(const DropoutBwdArgs&, const DropoutLaunchOptions&, cudaStream_t);
 JAX_LS2_INSTANTIATE(float)
 JAX_LS2_INSTANTIATE(__half)
 JAX_LS2_INSTANTIATE(__nv_bfloat16)

@@ -6,7 +6,18 @@
 
 namespace jax_ls2 {
 
+// Activation codes of bias_act_dropout's `activation` attribute, in the order of
+// jax_ls2.ops.dropout.ACTIVATIONS.
 enum DropoutActivation : int { kActRelu = 0, kActGelu = 1, kActGeluTanh = 2 };
+
+// Launch choices a benchmark may override (the FFI handlers fill them from the options
+// set through jax_ls2._C.set_kernel_option); 0 keeps the built-in choice.
+struct DropoutLaunchOptions {
+  int rows_in_flight = 0;  // 2, 4 or 8 rows each thread loads before computing (bfloat16, 16-byte path)
+  int full_grid = 0;       // 1: forward grids cover every row once instead of one resident wave
+  int prefetch = 0;        // 2: the kernel that does not load the next rows before computing the current
+                           // ones (bfloat16, 16-byte path; prefetching is the built-in choice)
+};
 
 struct DropoutFwdArgs {
   const void* x;         // (rows, hidden), T
@@ -38,12 +49,12 @@ struct DropoutBwdArgs {
 };
 
 template <typename T>
-cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream);
 template <typename T>
-cudaError_t LaunchBiasDropoutResidualBwd(const DropoutBwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchBiasDropoutResidualBwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream);
 template <typename T>
-cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream);
 template <typename T>
-cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStream_t stream);
 
 }  // namespace jax_ls2

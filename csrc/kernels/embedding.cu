@@ -12,7 +12,7 @@
 // of additions varies) or, in the deterministic mode, by segments of rows sorted by
 // id (resp. position), each segment summed by one row group in a fixed order.
 // Padding rows give no gradient to either table.
-#include "common.cuh"
+#include "kernels/common.cuh"
 #include "kernels/embedding.h"
 
 namespace jax_ls2 {

@@ -9,19 +9,20 @@
 // order, so results are deterministic). 16-bit rows of up to 4096 with 16-byte
 // accesses take the staged backward on sm_90 instead (layer_norm_staged.cu).
 // Looped path (larger hidden): one block per row, passes re-read the row.
-#include "common.cuh"
+#include <algorithm>
+#include <initializer_list>
+
+#include "kernels/common.cuh"
 #include "kernels/column_fold.cuh"
 #include "kernels/layer_norm.h"
 #include "kernels/layer_norm_rows.cuh"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
 
 // Forward elements per thread held in registers: 32 with 16-byte accesses, 16 with
-// scalar ones (odd hidden sizes). Measured on H200 (bf16, 768 to 4096 wide rows), 32
-// beat 16 by up to 25% at hidden 4096 and 64 lost at every size, as did a persistent
-// variant that loaded each row group's next row while reducing the current one.
+// scalar ones (odd hidden sizes); the fastest of the variants tried (bench/PERF_NOTES.md,
+// "Kernel design history").
 constexpr int kFwdWideElems = 32;
 constexpr int kFwdElems = 16;
 // A row of up to 16384 elements stays in registers; bounding the block size by it
@@ -29,7 +30,7 @@ constexpr int kFwdElems = 16;
 constexpr int FwdMaxThreads(int elems) { return 16384 / elems; }
 constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials all live in registers
 constexpr int kBwdMaxThreads = 512;
-constexpr int kBwdStages = 3;   // shared-memory stages of the staged backward (3 and 4 measured alike)
+constexpr int kBwdStages = 3;   // shared-memory stages of the staged backward (more gain nothing)
 // Block size bound of a backward variant holding `elems` per thread (16 and 32 are
 // launch options for sweeps, kLayerNormBwdElems): five arrays of that many floats.
 constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
@@ -41,7 +42,7 @@ __device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(
 // ------------------------------------------------------------------ forward
 // Row group g of block b handles row b * ry + g, and rows gridDim.x * ry further on
 // when the grid is smaller than the rows. Each row's loads are all issued before any
-// is used (measured 10-20% faster on H200 than loading and summing pack by pack).
+// is used, so they are in flight together rather than one pack at a time.
 template <typename T, int VEC, int ELEMS, bool RES>
 __global__ void __launch_bounds__(FwdMaxThreads(ELEMS)) LayerNormFwdKernel(LayerNormFwdArgs a) {
   constexpr int ITEMS = ELEMS / VEC;
@@ -170,8 +171,7 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
 // EARLY (the bfloat16 16-byte path with a residual): the residual branch's gradient
 // dsum is loaded with x and dy, before the row reduction, instead of after it: one
 // round trip to memory per row instead of two, for 8 more registers (two blocks of 512
-// threads per SM still fit: the bound asks ptxas for at most 64 registers). Measured on
-// the H200 at 16384x768: 56% -> 66% of copy bandwidth with the whole-warp row groups.
+// threads per SM still fit: the bound asks ptxas for at most 64 registers).
 // MORE: the number of extra cotangents (a.dy_more) summed into dy as it is loaded.
 template <typename T, int VEC, bool RES, int ELEMS = kBwdElems, bool EARLY = false, int MORE = 0>
 __global__ void __launch_bounds__(BwdMaxThreads(ELEMS), EARLY || (MORE > 0 && VEC > 1) ? 2 : 1)
@@ -371,7 +371,7 @@ auto PickBwdKernel(bool wide, bool res) -> void (*)(LayerNormBwdArgs) {
 }
 
 template <typename T>
-cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
+cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, const LayerNormBwdLaunchOptions& o, cudaStream_t stream) {
   if (a.hidden == 0) return cudaSuccess;
   if (a.rows == 0) {
     cudaMemsetAsync(a.dgamma, 0, a.hidden * sizeof(float), stream);
@@ -383,11 +383,11 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   int vec = PickVec<T>(a.hidden, {a.x, a.dy, a.dsum, a.gamma, a.dx});
   for (int m = 0; m < a.n_more; ++m) vec = std::min(vec, PickVec<T>(a.hidden, {a.dy_more[m]}));
   constexpr int kVec = kPack<T>;
-  const int opt = GetKernelOption(kLayerNormBwdElems), stages_opt = GetKernelOption(kLayerNormBwdStages);
+  const int opt = o.elems, stages_opt = o.stages;
   int parts = 0;
   // The staged kernel (layer_norm_staged.cu) where it applies (16-bit, 16-byte rows up to
-  // 4096, sm_90) unless the register kernel is asked for. Measured on the H200 (bf16,
-  // 3 and 4 stages alike): 8 elements per thread best at hidden 768 and 1024, 16 at 4096.
+  // 4096, sm_90) unless the register kernel is asked for, with 8 elements per thread up
+  // to hidden 2048 and 16 above (the faster of the two at the widths measured).
   bool staged = false;
   if (vec == kVec && a.n_more == 0 && stages_opt != 1 && (opt == 0 || opt == 8 || opt == 16)) {
     const int staged_elems = opt != 0 ? opt : (a.hidden > 2048 ? 16 : 8);
@@ -437,9 +437,9 @@ cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-#define JAX_LS2_INSTANTIATE(T)                                                      \
-  template cudaError_t LaunchLayerNormFwd<T>(const LayerNormFwdArgs&, cudaStream_t); \
-  template cudaError_t LaunchLayerNormBwd<T>(const LayerNormBwdArgs&, cudaStream_t);
+#define JAX_LS2_INSTANTIATE(T)                                                                                   \
+  template cudaError_t LaunchLayerNormFwd<T>(const LayerNormFwdArgs&, cudaStream_t);                              \
+  template cudaError_t LaunchLayerNormBwd<T>(const LayerNormBwdArgs&, const LayerNormBwdLaunchOptions&, cudaStream_t);
 JAX_LS2_INSTANTIATE(float)
 JAX_LS2_INSTANTIATE(__half)
 JAX_LS2_INSTANTIATE(__nv_bfloat16)

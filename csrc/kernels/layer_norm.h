@@ -43,8 +43,18 @@ struct LayerNormBwdArgs {
 
 template <typename T>
 cudaError_t LaunchLayerNormFwd(const LayerNormFwdArgs& a, cudaStream_t stream);
+// Launch choices of the backward a benchmark may override (the FFI handlers fill them
+// from the options set through jax_ls2._C.set_kernel_option); 0 keeps the built-in choice.
+struct LayerNormBwdLaunchOptions {
+  int elems = 0;   // elements per thread: 8 or 16 for the staged kernel, 16 or 32 for the register
+                   // kernel (bfloat16, 16-byte path)
+  int stages = 0;  // 1: the register kernel instead of the staged one (16-bit, 16-byte path, sm_90);
+                   // 2..8: the staged kernel's stages
+};
+
 template <typename T>
-cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchLayerNormBwd(const LayerNormBwdArgs& a, const LayerNormBwdLaunchOptions& o,
+                               cudaStream_t stream);
 
 // The staged backward (layer_norm_staged.cu) for row groups of `tpr` threads holding
 // `elems` (8 or 16) elements each, with a ring of `stages` shared-memory stages. Returns false, launching nothing, where it does not

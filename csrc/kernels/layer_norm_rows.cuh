@@ -1,7 +1,7 @@
 // Row reductions shared by the LayerNorm kernels: a block of blockDim.y "row groups",
 // each of blockDim.x threads owning one row.
 #pragma once
-#include "common.cuh"
+#include "kernels/common.cuh"
 
 namespace jax_ls2 {
 

@@ -10,12 +10,13 @@
 // loading. Threads read their packs from shared memory twice (for the row sums, then for
 // dx), so nothing is held in registers across the row reduction. dgamma/dbeta partials
 // stay in registers and are folded per block as in the register kernel.
-#include "common.cuh"
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/common.cuh"
 #include "kernels/bulk_copy.cuh"
 #include "kernels/layer_norm.h"
 #include "kernels/layer_norm_rows.cuh"
-
-#include <type_traits>
 
 namespace jax_ls2 {
 namespace {

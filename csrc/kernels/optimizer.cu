@@ -6,6 +6,8 @@
 //   Adam: m = (1-b1) g + b1 m;  v = (1-b2) g^2 + b2 v;  u = (m * (1/bc1)) / (sqrt(v * (1/bc2) + eps_root) + eps)
 //   SGD:  m = g + b1 m;  u = nesterov ? g + b1 m : m   (u = g without momentum)
 //   u += wd * p (leaves with the decay flag);  upd = u * (-lr);  p' = p + upd
+#include <algorithm>
+
 #include "kernels/optimizer_device.cuh"
 #include "kernels/optimizer_update.h"
 

@@ -44,6 +44,7 @@ enum Mode : int {
   kSr = 64,        // stochastic rounding when writing FP16/BF16 params (no master)
   kNesterov = 128, // Nesterov momentum (SGD)
   kMomentBf16 = 256, // moments stored as bfloat16 (else float32)
+  kFlatGrads = 512,  // grads arrive as one flat float32 buffer (read by the FFI handler only)
   kReport = 1024   // without a norm pass: the update pass flags non-finite gradients in *bad
 };
 

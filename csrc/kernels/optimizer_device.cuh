@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "common.cuh"
+#include "kernels/common.cuh"
 #include "kernels/optimizer.h"
 
 namespace jax_ls2 {

@@ -17,12 +17,12 @@
 // in bf16/fp16) the reductions are shuffles only.
 // Looped path (larger k_len): one block per row, an online max/sum pass and a
 // write pass that re-reads the row (from L2).
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 
-#include "common.cuh"
+#include "kernels/common.cuh"
 #include "kernels/softmax.h"
-#include "registry.h"
 
 namespace jax_ls2 {
 namespace {
@@ -503,8 +503,8 @@ int PickVec(const SoftmaxProblem& p, const void* a, const void* b) {
 // Elements per thread of the 16-byte register path: the default (kDefault), or the
 // other of 16 / 32 where a benchmark asks for it with softmax_elems (bfloat16 only).
 template <typename T, int kDefault>
-int VecElems() {
-  const int opt = GetKernelOption(kSoftmaxElems);
+int VecElems(const SoftmaxLaunchOptions& o) {
+  const int opt = o.elems;
   return std::is_same_v<T, __nv_bfloat16> && (opt == 16 || opt == 32) ? opt : kDefault;
 }
 
@@ -539,7 +539,7 @@ cudaError_t Launch(const Args& a, int tpr, RegK reg, LoopK loop, cudaStream_t st
 // without the bias-along-k path (biask = false), taken when the problem has no such
 // bias; the other element count (bfloat16, on request) only with it.
 template <typename T, int kVecElems, typename Args, typename Kernels>
-cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t stream) {
+cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, const SoftmaxLaunchOptions& o, cudaStream_t stream) {
   using std::integral_constant;
   constexpr int kVec = kPack<T>;
   using Generic = std::true_type;
@@ -548,7 +548,7 @@ cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t st
     const auto k = kernels(integral_constant<int, 1>{}, integral_constant<int, kElemsPerThread>{}, Generic{});
     return Launch(a, tpr, k.first, k.second, stream);
   }
-  const int elems = VecElems<T, kVecElems>();
+  const int elems = VecElems<T, kVecElems>(o);
   const int tpr = ThreadsPerRow(a.p.cols, vec, elems);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     constexpr int kOther = kVecElems == 32 ? 16 : 32;
@@ -567,38 +567,38 @@ cudaError_t LaunchTyped(const Args& a, int vec, Kernels kernels, cudaStream_t st
 }
 
 template <typename T, typename BT>
-cudaError_t FwdTyped(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+cudaError_t FwdTyped(const SoftmaxFwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream) {
   return LaunchTyped<T, kFwdVecElems<T>>(a, PickVec<T>(a.p, a.y, nullptr), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxFwdKernel<T, BT, vec(), items(), biask()>, SoftmaxFwdLoopKernel<T, BT, vec()>);
-  }, stream);
+  }, o, stream);
 }
 
 template <typename T, typename BT>
-cudaError_t BwdTyped(const SoftmaxBwdArgs& a, cudaStream_t stream) {
+cudaError_t BwdTyped(const SoftmaxBwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream) {
   return LaunchTyped<T, kElemsPerThread>(a, PickVec<T>(a.p, a.dy, a.dx), [](auto vec, auto items, auto biask) {
     return std::make_pair(SoftmaxBwdKernel<T, BT, vec(), items(), biask()>, SoftmaxBwdLoopKernel<T, BT, vec()>);
-  }, stream);
+  }, o, stream);
 }
 
 }  // namespace
 
 template <typename T>
-cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdArgs& a, cudaStream_t stream) {
+cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream) {
   if (a.p.rows == 0 || a.p.cols == 0) return cudaSuccess;
-  if (a.p.bias_f32 && !std::is_same_v<T, float>) return FwdTyped<T, float>(a, stream);
-  return FwdTyped<T, T>(a, stream);
+  if (a.p.bias_f32 && !std::is_same_v<T, float>) return FwdTyped<T, float>(a, o, stream);
+  return FwdTyped<T, T>(a, o, stream);
 }
 
 template <typename T>
-cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdArgs& a, cudaStream_t stream) {
+cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream) {
   if (a.p.rows == 0 || a.p.cols == 0) return cudaSuccess;
-  if (a.p.bias_f32 && !std::is_same_v<T, float>) return BwdTyped<T, float>(a, stream);
-  return BwdTyped<T, T>(a, stream);
+  if (a.p.bias_f32 && !std::is_same_v<T, float>) return BwdTyped<T, float>(a, o, stream);
+  return BwdTyped<T, T>(a, o, stream);
 }
 
-#define JAX_LS2_INSTANTIATE(T)                                                  \
-  template cudaError_t LaunchSoftmaxFwd<T>(const SoftmaxFwdArgs&, cudaStream_t); \
-  template cudaError_t LaunchSoftmaxBwd<T>(const SoftmaxBwdArgs&, cudaStream_t);
+#define JAX_LS2_INSTANTIATE(T)                                                                              \
+  template cudaError_t LaunchSoftmaxFwd<T>(const SoftmaxFwdArgs&, const SoftmaxLaunchOptions&, cudaStream_t); \
+  template cudaError_t LaunchSoftmaxBwd<T>(const SoftmaxBwdArgs&, const SoftmaxLaunchOptions&, cudaStream_t);
 JAX_LS2_INSTANTIATE(float)
 JAX_LS2_INSTANTIATE(__half)
 JAX_LS2_INSTANTIATE(__nv_bfloat16)

@@ -68,9 +68,15 @@ struct SoftmaxBwdArgs {
   float grad_scale;      // dx = grad_scale * p * (g - sum(g * p)), g = dy * keep * keep_scale
 };
 
+// Launch choices a benchmark may override (the FFI handlers fill them from the options
+// set through jax_ls2._C.set_kernel_option); 0 keeps the built-in choice.
+struct SoftmaxLaunchOptions {
+  int elems = 0;  // 16 or 32 elements per thread (bfloat16, 16-byte register path)
+};
+
 template <typename T>
-cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream);
 template <typename T>
-cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdArgs& a, cudaStream_t stream);
+cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdArgs& a, const SoftmaxLaunchOptions& o, cudaStream_t stream);
 
 }  // namespace jax_ls2
