@@ -11,7 +11,9 @@ OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STEPS=${*:-tests bench}
-export PYTHONUNBUFFERED=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=${JAX_LS2_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The kernels are built explicitly (JAX_LS2_BUILD_CUDA=1): a build that skipped them would
+# leave every op on its reference and every GPU test skipped.
+export PYTHONUNBUFFERED=1 JAX_LS2_BUILD_CUDA=1 JAX_LS2_CUDA_ARCHS=${JAX_LS2_CUDA_ARCHS:-90} JAX_LS2_COMMIT=${JAX_LS2_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 summary=()
 # PACK_TO=file.tgz: after every step, the logs and CSVs so far are packed into that one
@@ -19,7 +21,7 @@ summary=()
 pack() { [ -n "${PACK_TO:-}" ] && tar -czf "$PACK_TO" -C "$OUT" . 2>/dev/null; true; }
 
 t0=$(date +%s)
-if ! $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+if ! $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
   tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s")
