@@ -22,7 +22,7 @@ namespace jax_ls2 {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kMaxThreads = 1024;  // launch option kCrossEntropyThreads (bfloat16, 16-byte path)
+constexpr int kMaxThreads = 1024;  // CrossEntropyLaunchOptions::threads (bfloat16, 16-byte path)
 constexpr int kUnroll = 4;
 constexpr size_t kCacheBytes = 112 * 1024;  // two blocks per SM on sm_90
 

@@ -32,7 +32,7 @@ constexpr int kBwdElems = 8;    // backward: x, dy and the dgamma/dbeta partials
 constexpr int kBwdMaxThreads = 512;
 constexpr int kBwdStages = 3;   // shared-memory stages of the staged backward (more gain nothing)
 // Block size bound of a backward variant holding `elems` per thread (16 and 32 are
-// launch options for sweeps, kLayerNormBwdElems): five arrays of that many floats.
+// launch options for sweeps, LayerNormBwdLaunchOptions::elems): five arrays of that many floats.
 constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
 constexpr int kLoopThreads = 512;
 
