@@ -320,7 +320,20 @@ class FusedKernel:
                 outs = jax.lax.map(one, batched)
             return outs, tuple(True for _ in outs)
 
-        return fn
+        # The ops differentiate once, through their custom_vjp; differentiating the
+        # backward pass itself would reach custom_partitioning, which has no JVP rule.
+        @jax.custom_jvp
+        def once(*args):
+            return fn(*args)
+
+        @once.defjvp
+        def no_second_derivative(primals, tangents):
+            raise NotImplementedError(
+                f"{kernel.name}: second derivatives (differentiating a gradient: jax.grad of jax.grad, "
+                f"jax.hessian, jax.jvp of a gradient) are not supported by jax_ls2's fused ops; use the "
+                f"plain-JAX formula where a second derivative is needed")
+
+        return once
 
 
 def forget_choices() -> None:
@@ -358,13 +371,14 @@ def match_varying(*arrays):
     """Makes every array varying over the union of the arrays' manual mesh axes
     (inside ``shard_map``), so a weight used with a per-device activation enters the
     op as per-device too. Its gradient then comes back through ``pcast``'s transpose,
-    which sums it over those axes, exactly as for a plain jnp formula."""
-    vmas = [_varying_axes(a) for a in arrays]
+    which sums it over those axes, exactly as for a plain jnp formula. ``None``
+    entries (absent optional arrays) pass through."""
+    vmas = [frozenset() if a is None else _varying_axes(a) for a in arrays]
     union = frozenset().union(*vmas)
     if not union:
         return arrays
     out = []
     for a, v in zip(arrays, vmas):
         missing = tuple(sorted(union - v))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing and a is not None else a)
     return tuple(out)

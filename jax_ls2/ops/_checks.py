@@ -40,19 +40,56 @@ def check_broadcastable(op: str, name: str, x, shape):
                          f"(same rank, each dim 1 or equal), got {tuple(x.shape)}")
 
 
-def check_rate(op: str, rate, key, deterministic: bool):
+def check_deterministic(op: str, deterministic) -> bool:
+    """``deterministic`` as a Python bool; it chooses the program, so it must be static."""
+    if isinstance(deterministic, jax.core.Tracer):
+        raise TypeError(f"{op}: deterministic must be a Python bool (static), got a traced value; "
+                        f"pass it as a static argument of jit, or call the op under each branch")
+    if isinstance(deterministic, (jax.Array, np.ndarray)) and deterministic.shape == () \
+            and deterministic.dtype == np.bool_:
+        deterministic = bool(deterministic)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"{op}: deterministic must be a Python bool (static), got {type(deterministic).__name__}")
+    return bool(deterministic)
+
+
+def check_key(op: str, key) -> None:
+    """One JAX PRNG key: typed (``jax.random.key``, shape ``()``) or raw ``uint32[2]``."""
+    expected = "a JAX PRNG key (jax.random.key) or uint32[2]"
+    if not hasattr(key, "shape") or not hasattr(key, "dtype"):
+        raise TypeError(f"{op}: key must be {expected}, got {type(key).__name__}")
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw_batch = not typed and jnp.dtype(key.dtype) == jnp.uint32 and key.ndim > 1 and key.shape[-1] == 2
+    if (typed and key.shape != ()) or raw_batch:
+        keys = key.shape if typed else key.shape[:-1]
+        raise ValueError(f"{op}: key must be a single PRNG key (shape ()), got a batch of keys of shape "
+                         f"{tuple(keys)}; vmap the op over the keys for one mask per key")
+    if not typed and not (jnp.dtype(key.dtype) == jnp.uint32 and key.shape == (2,)):
+        raise TypeError(f"{op}: key must be {expected}, got dtype {key.dtype} shape {tuple(key.shape)}")
+
+
+def check_rate(op: str, rate, key, deterministic) -> float:
+    """Checks the dropout arguments (``deterministic`` with `check_deterministic`
+    first); returns the rate as a Python float."""
     if isinstance(rate, jax.Array) and not isinstance(rate, jax.core.Tracer):
         rate = float(rate)
     if not isinstance(rate, (int, float, np.floating)):
         raise TypeError(f"{op}: rate must be a Python float (static), got {type(rate).__name__}")
     if not 0.0 <= float(rate) < 1.0:
         raise ValueError(f"{op}: rate must be in [0, 1), got {rate}")
+    deterministic = check_deterministic(op, deterministic)
     if float(rate) > 0.0 and not deterministic and key is None:
         raise ValueError(f"{op}: key is required when rate > 0 and deterministic=False, got None")
-    if key is not None and not deterministic and float(rate) > 0.0:
-        ok = jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (
-            jnp.dtype(key.dtype) == jnp.uint32 and key.shape == (2,))
-        if not ok:
-            raise TypeError(f"{op}: key must be a JAX PRNG key (jax.random.key) or uint32[2], "
-                            f"got dtype {key.dtype} shape {tuple(key.shape)}")
+    if key is not None:
+        check_key(op, key)
     return float(rate)
+
+
+def clamp_to_int32(x):
+    """Integer ``x`` as int32, values beyond int32's range clamped to its ends rather
+    than wrapped (an int64 id of 2**32 + 1 must not become 1)."""
+    info = jnp.iinfo(x.dtype)
+    lo, hi = max(int(info.min), -2**31), min(int(info.max), 2**31 - 1)
+    if (lo, hi) != (int(info.min), int(info.max)):
+        x = jnp.clip(x, np.array(lo, x.dtype), np.array(hi, x.dtype))
+    return x.astype(jnp.int32)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role, result_type
+from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -217,7 +217,9 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
       logits: ``(..., vocab)`` float32, float16 or bfloat16 (vocab any size >= 1).
       labels: ``(...)`` integer, in ``[0, vocab)`` or equal to ``ignore_index``.
         Concrete labels are checked (``ValueError``); under tracing a label outside
-        the range (and not ignored) gives a NaN loss and a NaN gradient row.
+        the range (and not ignored) gives a NaN loss and a NaN gradient row. Wider
+        integers (int64 under x64) are clamped to int32's range, never wrapped, so
+        a huge label stays out of range.
       label_smoothing: ``eps`` in ``[0, 1)``; target ``(1 - eps) * onehot + eps / vocab``
         (``optax.smooth_labels``'s convention, see the module docstring).
       ignore_index: tokens with this label contribute nothing to the loss, the count
@@ -247,7 +249,7 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
     vocab = logits.shape[-1]
     _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction)
     cfg = (float(label_smoothing), float(z_loss), int(ignore_index or 0), ignore_index is not None)
-    labels = labels.astype(jnp.int32)
+    labels = _checks.clamp_to_int32(labels)
     count = _count(labels, ignore_index)
     if reduction in (None, "none"):
         return _ce_tokens(logits, labels, cfg), count
@@ -278,26 +280,30 @@ def _logits(h, weight, bias):
     return z
 
 
-def _lce_loss_only(h, weight, bias, labels, scale, cfg):
+def _lce_loss_only(h, weight, bias, labels, token_weights, scale, cfg):
     def body(total, xs):
-        h_c, y_c = xs
+        h_c, y_c, w_c = xs
         loss = _FWD(_logits(h_c, weight, bias), y_c, **_static(cfg))[0]
+        if w_c is not None:
+            loss = loss * w_c
         return total + jnp.sum(loss), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), F32), (h, labels))
+    (total,) = match_varying(h, jnp.zeros((), F32))[1:]  # the carry varies as h does under shard_map
+    total, _ = jax.lax.scan(body, total, (h, labels, token_weights))
     return total * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _lce(h, weight, bias, labels, scale, cfg, dtypes):
-    return _lce_loss_only(h, weight, bias, labels, scale, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _lce(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
+    return _lce_loss_only(h, weight, bias, labels, token_weights, scale, cfg)
 
 
-def _lce_fwd(h, weight, bias, labels, scale, cfg, dtypes):
-    # h: (chunks, chunk, hidden); labels: (chunks, chunk). Per chunk: logits (chunk, vocab)
-    # by XLA, loss and dlogits (already times `scale`) by the fused kernel, then
-    # dh = dlogits @ W and dW += dlogits^T @ h (fp32) by XLA; the logits of one chunk
-    # are all that exist at a time.
+def _lce_fwd(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
+    # h: (chunks, chunk, hidden); labels, token_weights: (chunks, chunk). Per chunk:
+    # logits (chunk, vocab) by XLA, loss and dlogits (already times `scale`) by the
+    # fused kernel, then dh = dlogits @ W and dW += dlogits^T @ h (fp32) by XLA; the
+    # logits of one chunk are all that exist at a time. Token weights scale the rows of
+    # dh and of h in dW (hidden-sized work), never the (chunk, vocab) dlogits.
     vocab, hidden = weight.shape
     # The vocabulary is padded to a multiple of 64 with zero rows (and the kernel told to
     # ignore the padding): odd widths such as 50257 leave the GEMMs' leading dimensions
@@ -310,17 +316,24 @@ def _lce_fwd(h, weight, bias, labels, scale, cfg, dtypes):
 
     def body(carry, xs):
         total, dw, db = carry
-        h_c, y_c = xs
+        h_c, y_c, w_c = xs
         loss, g = _FWD_GRAD(_logits(h_c, weight, bias), y_c, scale, valid_vocab=valid, **_static(cfg))
         dh = jax.lax.dot_general(g, weight, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-        dw = dw + jax.lax.dot_general(g, h_c, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+        rows = h_c
+        if w_c is not None:
+            loss = loss * w_c
+            dh = dh * w_c[:, None]
+            rows = (h_c.astype(F32) * w_c[:, None]).astype(h_c.dtype)
+        dw = dw + jax.lax.dot_general(g, rows, (((0,), (0,)), ((), ())), preferred_element_type=F32)
         if db is not None:
-            db = db + jnp.sum(g.astype(F32), axis=0)
+            gf = g.astype(F32)
+            db = db + (jnp.sum(gf, axis=0) if w_c is None else w_c @ gf)
         return (total + jnp.sum(loss), dw, db), dh.astype(h.dtype)
 
     init = (jnp.zeros((), F32), jnp.zeros((padded, hidden), F32),
             None if bias is None else jnp.zeros((padded,), F32))
-    (total, dw, db), dh = jax.lax.scan(body, init, (h, labels))
+    init = match_varying(h, *init)[1:]  # the carries vary as h does under shard_map
+    (total, dw, db), dh = jax.lax.scan(body, init, (h, labels, token_weights))
     dw = dw[:vocab]
     db = None if db is None else db[:vocab]
     return total * scale, (dh, dw, db)
@@ -332,7 +345,7 @@ def _lce_bwd(cfg, dtypes, res, ct):
     dh = (dh.astype(F32) * ct).astype(dh.dtype)
     dw = (dw * ct).astype(dtypes)
     db = None if db is None else (db * ct).astype(dtypes)
-    return dh, dw, db, None, None
+    return dh, dw, db, None, None, None
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd, optimize_remat=True)
@@ -349,7 +362,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
         embedding table).
       labels: ``(...)`` integer, as for `cross_entropy`.
       bias: optional ``(vocab,)`` in ``hidden.dtype``.
-      label_smoothing, ignore_index, z_loss: as for `cross_entropy`.
+      label_smoothing, ignore_index, z_loss: as for `cross_entropy`. With
+        ``ignore_index=None`` no label is ignored: every token is counted, and a
+        traced label outside ``[0, vocab)`` (-1 included) gives a NaN loss.
       chunk_size: tokens per chunk (default: about 2**27 logits per chunk, a multiple
         of 128 tokens). Tokens are padded up to a multiple of it (padding is ignored).
       reduction: ``"mean"`` (over counted tokens; 0 for an all-ignored batch) or ``"sum"``.
@@ -390,19 +405,31 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
     chunk = int(min(chunk_size, max(n, 1)))
-    labels = labels.astype(jnp.int32).reshape(n)
+    labels = _checks.clamp_to_int32(labels).reshape(n)
     count = _count(labels, ignore_index)
-    # Padding rows (and the ignored ones) carry the ignore label.
-    ignore = int(ignore_index) if ignore_index is not None else -1
-    cfg = (float(label_smoothing), float(z_loss), ignore, True)
     chunks = max(1, -(-n // chunk))
     pad = chunks * chunk - n
     h2 = hidden.reshape(n, h)
+    token_weights = None
+    if ignore_index is not None:
+        # Padding rows carry the ignore label.
+        cfg = (float(label_smoothing), float(z_loss), int(ignore_index), True)
+        pad_label = int(ignore_index)
+    else:
+        # No label is ignored; padding rows get label 0 and token weight 0.
+        cfg = (float(label_smoothing), float(z_loss), 0, False)
+        pad_label = 0
+        if pad:
+            token_weights = jnp.pad(jnp.ones((n,), F32), (0, pad))
     if pad:
         h2 = jnp.pad(h2, ((0, pad), (0, 0)))
-        labels = jnp.pad(labels, (0, pad), constant_values=ignore)
+        labels = jnp.pad(labels, (0, pad), constant_values=pad_label)
     h3 = h2.reshape(chunks, chunk, h)
     y2 = labels.reshape(chunks, chunk)
+    w2 = None if token_weights is None else token_weights.reshape(chunks, chunk)
     scale = (1.0 / jnp.maximum(count, 1).astype(F32)) if reduction == "mean" else jnp.ones((), F32)
-    loss = _lce(h3, weight, bias, y2, scale, cfg, jnp.dtype(weight.dtype).name)
+    # Under shard_map, a replicated weight (and bias) meeting per-device hidden states
+    # becomes per-device too; its gradient is summed over the devices (match_varying).
+    h3, weight, bias, y2, w2, scale = match_varying(h3, weight, bias, y2, w2, scale)
+    loss = _lce(h3, weight, bias, y2, w2, scale, cfg, jnp.dtype(weight.dtype).name)
     return loss, count

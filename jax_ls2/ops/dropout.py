@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, result_type
+from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -138,14 +138,21 @@ _BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, operands=(_
 
 
 # ---------------------------------------------------------------- custom_vjp
+# The forward rules call the kernels, not the custom_vjp functions: a custom_vjp
+# called inside another's forward rule would end a second derivative in JAX's jvp
+# error instead of the kernels' own "not supported".
+def _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first):
+    return _BDR_FWD(x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
+                    seq_first=seq_first)[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first):
-    return _BDR_FWD(x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
-                seq_first=seq_first)[0]
+    return _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first)
 
 
 def _bdr_vjp_fwd(x, bias, residual, seed, threshold, scale, seq_first):
-    y = _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first)
+    y = _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first)
     return y, (seed, jnp.zeros((0,), bias.dtype))
 
 
@@ -162,21 +169,25 @@ def _bdr_vjp_bwd(threshold, scale, seq_first, res, dy):
 _bias_dropout_residual.defvjp(_bdr_vjp_fwd, _bdr_vjp_bwd, optimize_remat=True)
 
 
+def _bad_forward(x, bias, seed, activation, threshold, scale, seq_first):
+    return _BAD_FWD(x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold, scale=scale,
+                    seq_first=seq_first)[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first):
-    return _BAD_FWD(x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
-                scale=scale, seq_first=seq_first)[0]
+    return _bad_forward(x, bias, seed, activation, threshold, scale, seq_first)
 
 
 def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale, seq_first):
-    y = _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)
+    y = _bad_forward(x, bias, seed, activation, threshold, scale, seq_first)
     return y, (x, bias, seed)
 
 
 def _bad_vjp_bwd(activation, threshold, scale, seq_first, res, dy):
     x, bias, seed = res
     dx, db = _BAD_BWD(dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
-                  scale=scale, seq_first=seq_first)
+                      scale=scale, seq_first=seq_first)
     return dx, db.astype(bias.dtype), None
 
 
@@ -185,6 +196,7 @@ _bias_act_dropout.defvjp(_bad_vjp_fwd, _bad_vjp_bwd, optimize_remat=True)
 
 # ---------------------------------------------------------------- public API
 def _seed_and_rate(op, rate, key, deterministic):
+    deterministic = _checks.check_deterministic(op, deterministic)
     rate = _checks.check_rate(op, rate, key, deterministic)
     if deterministic or rate == 0.0:
         return jnp.zeros((3,), jnp.uint32), 0, 1.0
@@ -192,23 +204,6 @@ def _seed_and_rate(op, rate, key, deterministic):
     if threshold == 0:  # rate below 1/131072 rounds to no dropout
         return jnp.zeros((3,), jnp.uint32), 0, 1.0
     return _random.seed_words(key), threshold, _random.keep_scale(rate)
-
-
-def _same_varying(*arrays):
-    """Under shard_map, casts the arrays to the union of their varying manual axes, so a
-    replicated bias meeting sharded rows gets its gradient psum-ed (the transpose of
-    the cast) and the custom_vjp's cotangent types match."""
-    def varying(a):
-        t = jax.typeof(a)
-        mat = getattr(t, "manual_axis_type", None)
-        return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
-
-    vmas = [varying(a) for a in arrays]
-    union = frozenset().union(*vmas)
-    if not union:
-        return arrays
-    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-                 for a, v in zip(arrays, vmas))
 
 
 def _check_x_bias(op, x, bias, seq_first):
@@ -250,7 +245,7 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
-    x, bias, residual = _same_varying(x, bias, residual)
+    x, bias, residual = match_varying(x, bias, residual)
     return _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first)
 
 
@@ -276,8 +271,8 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     """
     op = "bias_act_dropout"
     _check_x_bias(op, x, bias, seq_first)
-    if activation not in _ACT_CODE:
+    if not isinstance(activation, str) or activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
-    x, bias = _same_varying(x, bias)
+    x, bias = match_varying(x, bias)
     return _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, result_type
+from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -145,6 +145,9 @@ def _embedding_bwd(cfg, res, dout):
     st = _fwd_static(cfg)
     st.pop("out_dtype")
     dtable, dpos = _BWD(ids, positions, dout, seed, vocab=vocab, max_pos=max_pos, grad_mode=grad_mode, **st)
+    # Under shard_map the gradients vary as dout does, like the tables they are for (an
+    # unused position table's zero gradient included).
+    dtable, dpos = match_varying(dout, dtable, dpos)[1:]
     return None, None, dtable.astype(tdt), dpos.astype(pdt), None, None
 
 
@@ -169,8 +172,8 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
       table: ``(vocab, hidden)`` float32, float16 or bfloat16 (any vocab size < 2**31).
       scale: multiplies the token embedding (e.g. ``sqrt(hidden)``), not the positions.
       positions: ``(...)`` integer, broadcastable to ``ids.shape``; default
-        ``0 .. ids.shape[-1] - 1`` along the last axis. Used with ``pos_table`` or
-        ``sinusoidal``.
+        ``0 .. ids.shape[-1] - 1`` along the last axis (a ``pos_table`` must have that
+        many rows, else ``ValueError``). Used with ``pos_table`` or ``sinusoidal``.
       pos_table: ``(max_positions, hidden)`` learned positions, ``table.dtype``.
       sinusoidal: add ``[sin(p * f), cos(p * f)]`` (see `sinusoid_inv_freq`), computed
         in the kernel.
@@ -217,9 +220,14 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
             raise ValueError(f"{op}: padding_idx must be in [0, {vocab}), got {padding_idx}")
     if grad_mode not in _GRAD_MODES:
         raise ValueError(f"{op}: grad_mode must be 'atomic' or 'sorted', got {grad_mode!r}")
-    out_dtype = jnp.dtype(table.dtype if dtype is None else dtype)
+    try:
+        out_dtype = jnp.dtype(table.dtype if dtype is None else dtype)
+    except TypeError:
+        out_dtype = None
     if out_dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"{op}: dtype must be one of float32, float16, bfloat16, got {out_dtype}")
+        raise TypeError(f"{op}: dtype must be one of float32, float16, bfloat16, got "
+                        f"{dtype if out_dtype is None else out_dtype!r}")
+    deterministic = _checks.check_deterministic(op, deterministic)
     rate = _checks.check_rate(op, rate, key, deterministic)
     _check_index_range(op, "ids", ids, vocab, "the table's rows")
 
@@ -235,6 +243,9 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     if pos_mode == _POS_NONE:
         positions = jnp.zeros(ids.shape, jnp.int32)
     elif positions is None:
+        if pos_mode == _POS_LEARNED and ids.shape[-1] > pos_table.shape[0]:
+            raise ValueError(f"{op}: the default positions 0 .. {ids.shape[-1] - 1} need a pos_table of at least "
+                             f"{ids.shape[-1]} rows, got {pos_table.shape[0]}")
         positions = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
     else:
         _checks.check_array(op, "positions", positions, dtypes=None)
@@ -247,7 +258,7 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
                              f"got {tuple(positions.shape)}") from None
         if pos_mode == _POS_LEARNED:
             _check_index_range(op, "positions", positions, pos_table.shape[0], "the pos_table's rows")
-        positions = jnp.broadcast_to(positions.astype(jnp.int32), ids.shape)
+        positions = jnp.broadcast_to(_checks.clamp_to_int32(positions), ids.shape)
     inv_freq = sinusoid_inv_freq(hidden)
 
     dropping = rate > 0.0 and not deterministic
@@ -257,4 +268,7 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     cfg = (float(scale), pos_mode, int(padding_idx or 0), padding_idx is not None, int(threshold), float(keep),
            out_dtype.name, grad_mode, vocab, pos_table.shape[0], jnp.dtype(table.dtype).name,
            jnp.dtype(pos_table.dtype).name)
-    return _embedding(ids.astype(jnp.int32), positions, table, pos_table, inv_freq, seed, cfg)
+    # Under shard_map, replicated tables meeting per-device ids become per-device too, and
+    # their gradients are summed over the devices (see match_varying).
+    ids, positions, table, pos_table = match_varying(_checks.clamp_to_int32(ids), positions, table, pos_table)
+    return _embedding(ids, positions, table, pos_table, inv_freq, seed, cfg)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import BCAST, ROWS, SEED, FusedKernel, Role, result_type
+from jax_ls2._dispatch import BCAST, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -178,8 +178,7 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
         raise TypeError(f"{op}: scale must be a finite Python float (static), got {scale!r}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{op}: causal must be a Python bool, got {type(causal).__name__}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"{op}: deterministic must be a Python bool, got {type(deterministic).__name__}")
+    deterministic = _checks.check_deterministic(op, deterministic)
     has_bias = bias is not None
     if has_bias:
         _checks.check_array(op, "bias", bias, dtypes=None)
@@ -196,7 +195,7 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
         _checks.check_broadcastable(op, "mask", mask, shape)
     else:
         mask = jnp.ones((1,) * len(shape), bool)
-    rate = _checks.check_rate(op, rate, key, bool(deterministic))
+    rate = _checks.check_rate(op, rate, key, deterministic)
     threshold = 0 if deterministic else _random.dropout_threshold(rate)
     if threshold:
         seed = _random.seed_words(key)
@@ -205,4 +204,7 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
         seed = jnp.zeros((3,), jnp.uint32)
         keep_scale = 1.0
     cfg = (float(scale), bool(causal), int(threshold), float(keep_scale), has_bias, has_mask)
+    # Under shard_map, a replicated bias meeting per-device scores becomes per-device
+    # too, and its gradient is summed over the devices (see match_varying).
+    scores, bias = match_varying(scores, bias)
     return _softmax_dropout(scores, bias, mask, seed, cfg)
