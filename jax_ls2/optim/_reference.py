@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_ls2._random import mix32
 from jax_ls2.optim import _abi as A
-from jax_ls2.optim._layout import Layout, leaf_view
+from jax_ls2.optim._layout import Layout, flatten, leaf_view
 
 
 def sr_bits(flat_index: jax.Array, seed: jax.Array) -> jax.Array:
@@ -85,22 +85,33 @@ def grad_stats(grads: list, hp: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sqrt(sumsq), finite.astype(jnp.float32)])
 
 
-def _step(hp, algo, flags, decay, g, p, m, v, clip_on, norm):
-    g = g * (hp[A.INV_SCALE] * hp[A.GRAD_MULT])
+def _leaves_of(flat, layout: Layout):
+    """The leaves of a flat buffer (None for None). Behind an optimization barrier: XLA
+    would otherwise fuse the L slices of one buffer into their consumers together,
+    which made compiling a step of a few hundred leaves ten times slower than optax's."""
+    if flat is None:
+        return None
+    return jax.lax.optimization_barrier([leaf_view(flat, layout, i) for i in range(len(layout.sizes))])
+
+
+def _step(h, algo, flags, decay, g, p, m, v, clip_on, norm):
+    """One leaf's update; `h` holds the hp slots as scalars, read once per step (slicing
+    `hp` again for every leaf multiplied the program's size by the leaf count)."""
+    g = g * h["gscale"]
     if flags & A.CLIP:
-        g = jnp.where(clip_on, (g / norm) * hp[A.MAX_NORM], g)
+        g = jnp.where(clip_on, (g / norm) * h[A.MAX_NORM], g)
     if algo == A.ADAM:
-        m = hp[A.ONE_MINUS_B1] * g + hp[A.B1] * m
-        v = hp[A.ONE_MINUS_B2] * (g * g) + hp[A.B2] * v
-        u = (m * hp[A.INV_BC1]) / (jnp.sqrt(v * hp[A.INV_BC2] + hp[A.EPS_ROOT]) + hp[A.EPS])
+        m = h[A.ONE_MINUS_B1] * g + h[A.B1] * m
+        v = h[A.ONE_MINUS_B2] * (g * g) + h[A.B2] * v
+        u = (m * h[A.INV_BC1]) / (jnp.sqrt(v * h[A.INV_BC2] + h[A.EPS_ROOT]) + h[A.EPS])
     elif flags & A.HAS_MU:
-        m = g + hp[A.B1] * m
-        u = g + hp[A.B1] * m if flags & A.NESTEROV else m
+        m = g + h[A.B1] * m
+        u = g + h[A.B1] * m if flags & A.NESTEROV else m
     else:
         u = g
     if decay:
-        u = u + hp[A.WD] * p
-    return u * (-hp[A.LR]), m, v
+        u = u + h[A.WD] * p
+    return u * h["neg_lr"], m, v
 
 
 def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: int,
@@ -118,7 +129,7 @@ def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: i
     """
     L = len(params)
     if flags & A.FLAT_GRADS:
-        g_leaves = [leaf_view(grads[0], layout, i) for i in range(L)]
+        g_leaves = _leaves_of(grads[0], layout)
     else:
         g_leaves = list(grads)
     norm_pass = bool(flags & (A.CHECK | A.CLIP))
@@ -137,15 +148,22 @@ def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: i
         norm, clip_on, skip = jnp.float32(0), jnp.bool_(False), jnp.bool_(False)
     apply = bool(flags & A.APPLY)
     sr = bool(flags & A.SR) and master is None
+    h = {k: hp[k] for k in range(A.HP_SIZE)}
+    h["gscale"] = hp[A.INV_SCALE] * hp[A.GRAD_MULT]
+    h["neg_lr"] = -hp[A.LR]
+    if not flags & A.CHECK:
+        skip = None   # no skipped steps: leave the selects out of the program
+    keep = lambda old, new: new if skip is None else jnp.where(skip, old, new)
     outs, new_mu, new_nu, new_master = [], [], [], []
+    mu_l, nu_l, master_l = (_leaves_of(x, layout) for x in (mu, nu, master))
     for i in range(L):
         g = g_leaves[i].astype(jnp.float32)
         p_leaf = params[i]
         cur = p_leaf.astype(jnp.float32)
-        p = leaf_view(master, layout, i) if master is not None else cur
-        m = leaf_view(mu, layout, i).astype(jnp.float32) if mu is not None else jnp.zeros_like(g)
-        v = leaf_view(nu, layout, i).astype(jnp.float32) if nu is not None else jnp.zeros_like(g)
-        d, m, v = _step(hp, algo, flags, bool(decay[i]), g, p, m, v, clip_on, norm)
+        p = master_l[i] if master is not None else cur
+        m = mu_l[i].astype(jnp.float32) if mu is not None else jnp.zeros_like(g)
+        v = nu_l[i].astype(jnp.float32) if nu is not None else jnp.zeros_like(g)
+        d, m, v = _step(h, algo, flags, bool(decay[i]), g, p, m, v, clip_on, norm)
         newp = p + d
         if apply:
             pdt = p_leaf.dtype
@@ -154,30 +172,25 @@ def fused_update(grads, params, mu, nu, master, hp, seed, *, algo: int, flags: i
                 out = round_stochastic(newp, pdt, sr_bits(idx, seed))
             else:
                 out = newp.astype(pdt)
-            outs.append(jnp.where(skip, p_leaf, out))
+            outs.append(keep(p_leaf, out))
         else:
             upd = (newp - cur) if master is not None else d
-            outs.append(jnp.where(skip, 0, upd).astype(g_leaves[i].dtype))
+            outs.append(keep(jnp.zeros((), upd.dtype), upd).astype(g_leaves[i].dtype))
         new_mu.append(m)
         new_nu.append(v)
         new_master.append(newp)
 
-    def scatter(flat, leaves):
+    def rebuild(flat, leaves):
+        # One concatenation of the new leaves (zero padding, as the buffers are made),
+        # not one dynamic_update_slice per leaf: a chain of L in-place updates of the
+        # whole buffer is what made compile and run time grow with the leaf count.
         if flat is None:
             return None
-        out = flat
-        for i, x in enumerate(leaves):
-            out = jax.lax.dynamic_update_slice(out, x.reshape(-1).astype(flat.dtype), (layout.offsets[i],))
-        return jnp.where(skip, flat, out)
+        return keep(flat, flatten(leaves, layout, flat.dtype))
 
-    return (outs, scatter(mu, new_mu), scatter(nu, new_nu), scatter(master, new_master), stats)
+    return (outs, rebuild(mu, new_mu), rebuild(nu, new_nu), rebuild(master, new_master), stats)
 
 
 def accumulate(acc, scale, grads, *, layout: Layout):
     """Reference of ``jax_ls2_optim_accumulate``: acc[offset_i + j] += grads_i[j] * scale[0]."""
-    out = acc
-    for i, g in enumerate(grads):
-        off, n = layout.offsets[i], layout.sizes[i]
-        cur = jax.lax.slice(out, (off,), (off + n,))
-        out = jax.lax.dynamic_update_slice(out, cur + g.reshape(-1).astype(jnp.float32) * scale[0], (off,))
-    return out
+    return acc + flatten(grads, layout, jnp.float32) * scale[0]
