@@ -5,9 +5,9 @@ __all__ = ["layer_norm"]
 from jax_ls2.ops.cross_entropy import cross_entropy, linear_cross_entropy
 
 __all__ += ["cross_entropy", "linear_cross_entropy"]
-from jax_ls2.ops.dropout import bias_act_dropout, bias_dropout_residual
+from jax_ls2.ops.dropout import bias_act_dropout, bias_dropout_residual, dropout
 
-__all__ += ["bias_dropout_residual", "bias_act_dropout"]
+__all__ += ["bias_dropout_residual", "bias_act_dropout", "dropout"]
 from jax_ls2.ops.softmax import softmax_dropout
 
 __all__ += ["softmax_dropout"]

@@ -209,7 +209,28 @@ def _count(labels, ignore_index):
     return jnp.sum(labels != ignore_index, dtype=jnp.int32)
 
 
-def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
+def _check_weights(op, weights, shape):
+    _checks.check_array(op, "weights", weights, dtypes=None)
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"{op}: weights must have a floating dtype, got {weights.dtype}")
+    _checks.check_shape(op, "weights", weights, shape)
+
+
+def _weight_sum(weights, labels, ignore_index):
+    """float32 sum of the weights of the counted (not ignored) tokens."""
+    w = weights.astype(F32)
+    if ignore_index is not None:
+        w = jnp.where(labels != ignore_index, w, 0.0)
+    return jnp.sum(w)
+
+
+def _mean_scale(count):
+    """1 / count, or 1 where nothing is counted (the sum is then 0 too)."""
+    count = count.astype(F32)
+    return 1.0 / jnp.where(count != 0, count, 1.0)
+
+
+def cross_entropy(logits, labels, *, weights=None, label_smoothing: float = 0.0, ignore_index: int | None = None,
                   z_loss: float = 0.0, reduction: str | None = None):
     """Softmax cross entropy with integer labels, log-softmax and NLL fused.
 
@@ -220,6 +241,11 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
         the range (and not ignored) gives a NaN loss and a NaN gradient row. Wider
         integers (int64 under x64) are clamped to int32's range, never wrapped, so
         a huge label stays out of range.
+      weights: optional ``labels.shape`` floating per-token weights, multiplying each
+        token's loss and so its gradient (their own gradient is the token's loss).
+        ``"sum"`` is then the weighted sum and ``"mean"`` the weighted sum divided by
+        the sum of the counted tokens' weights (as torch's ``CrossEntropyLoss`` does
+        with class weights); ``count`` becomes that float32 sum.
       label_smoothing: ``eps`` in ``[0, 1)``; target ``(1 - eps) * onehot + eps / vocab``
         (``optax.smooth_labels``'s convention, see the module docstring).
       ignore_index: tokens with this label contribute nothing to the loss, the count
@@ -230,7 +256,8 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
 
     Returns:
       ``(loss, count)``: ``loss`` float32 of shape ``labels.shape`` (or a scalar when
-      reduced), 0 for ignored tokens; ``count`` the int32 number of counted tokens.
+      reduced), 0 for ignored tokens; ``count`` the int32 number of counted tokens
+      (with ``weights``, the float32 sum of their weights).
 
     Statistics (max, log-sum-exp) and the loss are float32. The gradient is
     ``(softmax - target) * dloss`` in the logits dtype, never an fp32 copy of the
@@ -238,7 +265,8 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
     (one kernel, read logits + write gradient). Reduced, the gradient is formed in
     the forward kernel itself and kept instead of the logits; the backward multiplies
     it by the cotangent in place (skipped when the cotangent is 1), so a training step
-    reads the logits once and writes the gradient once.
+    reads the logits once and writes the gradient once. With ``weights`` every
+    reduction takes the per-token path (the backward re-reads the logits).
     """
     op = "cross_entropy"
     _checks.check_array(op, "logits", logits, min_ndim=1)
@@ -249,7 +277,15 @@ def cross_entropy(logits, labels, *, label_smoothing: float = 0.0, ignore_index:
     vocab = logits.shape[-1]
     _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction)
     cfg = (float(label_smoothing), float(z_loss), int(ignore_index or 0), ignore_index is not None)
+    if weights is not None:
+        _check_weights(op, weights, labels.shape)
     labels = _checks.clamp_to_int32(labels)
+    if weights is not None:
+        count = _weight_sum(weights, labels, ignore_index)
+        loss = _ce_tokens(logits, labels, cfg) * weights.astype(F32)
+        if reduction in (None, "none"):
+            return loss, count
+        return jnp.sum(loss) * (_mean_scale(count) if reduction == "mean" else 1.0), count
     count = _count(labels, ignore_index)
     if reduction in (None, "none"):
         return _ce_tokens(logits, labels, cfg), count
@@ -320,6 +356,7 @@ def _lce_fwd(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
         loss, g = _FWD_GRAD(_logits(h_c, weight, bias), y_c, scale, valid_vocab=valid, **_static(cfg))
         dh = jax.lax.dot_general(g, weight, (((1,), (0,)), ((), ())), preferred_element_type=F32)
         rows = h_c
+        token_loss = loss
         if w_c is not None:
             loss = loss * w_c
             dh = dh * w_c[:, None]
@@ -328,30 +365,36 @@ def _lce_fwd(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
         if db is not None:
             gf = g.astype(F32)
             db = db + (jnp.sum(gf, axis=0) if w_c is None else w_c @ gf)
-        return (total + jnp.sum(loss), dw, db), dh.astype(h.dtype)
+        return (total + jnp.sum(loss), dw, db), (dh.astype(h.dtype), token_loss)
 
     init = (jnp.zeros((), F32), jnp.zeros((padded, hidden), F32),
             None if bias is None else jnp.zeros((padded,), F32))
     init = match_varying(h, *init)[1:]  # the carries vary as h does under shard_map
-    (total, dw, db), dh = jax.lax.scan(body, init, (h, labels, token_weights))
+    (total, dw, db), (dh, token_loss) = jax.lax.scan(body, init, (h, labels, token_weights))
     dw = dw[:vocab]
     db = None if db is None else db[:vocab]
-    return total * scale, (dh, dw, db)
+    if token_weights is None:
+        token_loss = None
+    return total * scale, (dh, dw, db, token_loss, total, scale)
 
 
 def _lce_bwd(cfg, dtypes, res, ct):
-    dh, dw, db = res
+    # The loss is scale * sum(token_weights * token_loss): the gradients of h, W and b
+    # (formed in the forward, already times scale) times ct, and those of the token
+    # weights and of scale (a function of the weights for "mean") from the saved sums.
+    dh, dw, db, token_loss, total, scale = res
     ct = jnp.asarray(ct, F32)
     dh = (dh.astype(F32) * ct).astype(dh.dtype)
     dw = (dw * ct).astype(dtypes)
     db = None if db is None else (db * ct).astype(dtypes)
-    return dh, dw, db, None, None, None
+    dweights = None if token_loss is None else token_loss * (ct * scale)
+    return dh, dw, db, None, dweights, ct * total
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd, optimize_remat=True)
 
 
-def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: float = 0.0,
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, weights=None, label_smoothing: float = 0.0,
                          ignore_index: int | None = None, chunk_size: int | None = None,
                          z_loss: float = 0.0, reduction: str = "mean"):
     """``cross_entropy(hidden @ weight.T + bias, labels)`` without the whole logits.
@@ -362,6 +405,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
         embedding table).
       labels: ``(...)`` integer, as for `cross_entropy`.
       bias: optional ``(vocab,)`` in ``hidden.dtype``.
+      weights: optional per-token weights, as for `cross_entropy`. They scale rows
+        of ``dhidden`` and of ``hidden`` in the ``dweight`` GEMM (``hidden * weights``
+        rounded to ``hidden.dtype``), never the logits' gradient.
       label_smoothing, ignore_index, z_loss: as for `cross_entropy`. With
         ``ignore_index=None`` no label is ignored: every token is counted, and a
         traced label outside ``[0, vocab)`` (-1 included) gives a NaN loss.
@@ -370,7 +416,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
       reduction: ``"mean"`` (over counted tokens; 0 for an all-ignored batch) or ``"sum"``.
 
     Returns:
-      ``(loss, count)``: float32 scalar loss and the int32 number of counted tokens.
+      ``(loss, count)``: float32 scalar loss and the int32 number of counted tokens
+      (with ``weights``, the float32 sum of their weights).
 
     Per chunk of tokens the logits ``(chunk, vocab)`` are formed by an XLA GEMM
     (in ``hidden.dtype``, fp32 accumulation), the fused cross-entropy kernel gives the
@@ -396,6 +443,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
         _checks.check_array(op, "bias", bias, ndim=1)
         _checks.check_shape(op, "bias", bias, (vocab,))
         _checks.check_same_dtype(op, "bias", bias, hidden.dtype)
+    if weights is not None:
+        _check_weights(op, weights, labels.shape)
     if reduction not in ("sum", "mean"):
         raise ValueError(f"{op}: reduction must be 'mean' or 'sum', got {reduction!r}")
     _check_common(op, vocab, labels, label_smoothing, ignore_index, z_loss, reduction)
@@ -406,11 +455,15 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
         raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
     chunk = int(min(chunk_size, max(n, 1)))
     labels = _checks.clamp_to_int32(labels).reshape(n)
-    count = _count(labels, ignore_index)
     chunks = max(1, -(-n // chunk))
     pad = chunks * chunk - n
     h2 = hidden.reshape(n, h)
     token_weights = None
+    if weights is not None:
+        token_weights = weights.astype(F32).reshape(n)
+        count = _weight_sum(token_weights, labels, ignore_index)
+    else:
+        count = _count(labels, ignore_index)
     if ignore_index is not None:
         # Padding rows carry the ignore label.
         cfg = (float(label_smoothing), float(z_loss), int(ignore_index), True)
@@ -419,15 +472,17 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, label_smoothing: 
         # No label is ignored; padding rows get label 0 and token weight 0.
         cfg = (float(label_smoothing), float(z_loss), 0, False)
         pad_label = 0
-        if pad:
-            token_weights = jnp.pad(jnp.ones((n,), F32), (0, pad))
+        if pad and token_weights is None:
+            token_weights = jnp.ones((n,), F32)
+    if pad and token_weights is not None:
+        token_weights = jnp.pad(token_weights, (0, pad))
     if pad:
         h2 = jnp.pad(h2, ((0, pad), (0, 0)))
         labels = jnp.pad(labels, (0, pad), constant_values=pad_label)
     h3 = h2.reshape(chunks, chunk, h)
     y2 = labels.reshape(chunks, chunk)
     w2 = None if token_weights is None else token_weights.reshape(chunks, chunk)
-    scale = (1.0 / jnp.maximum(count, 1).astype(F32)) if reduction == "mean" else jnp.ones((), F32)
+    scale = _mean_scale(count) if reduction == "mean" else jnp.ones((), F32)
     # Under shard_map, a replicated weight (and bias) meeting per-device hidden states
     # becomes per-device too; its gradient is summed over the devices (match_varying).
     h3, weight, bias, y2, w2, scale = match_varying(h3, weight, bias, y2, w2, scale)

@@ -207,16 +207,21 @@ def _seed_and_rate(op, rate, key, deterministic):
 
 
 def _check_x_bias(op, x, bias, seq_first):
+    """Checks x and bias; returns the bias to add (zeros in x.dtype for ``bias=None``:
+    a constant of the op, so no gradient is returned for it)."""
     if not isinstance(seq_first, bool):
         raise ValueError(f"{op}: seq_first must be a bool, got {seq_first!r}")
     _checks.check_array(op, "x", x, min_ndim=1)
     if seq_first and x.ndim != 3:
         raise ValueError(f"{op}: with seq_first, x must be (len, batch, hidden), got shape {tuple(x.shape)}")
-    _checks.check_array(op, "bias", bias, ndim=1)
     h = x.shape[-1]
     if h == 0:
         raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
+    if bias is None:
+        return jnp.zeros((h,), x.dtype)
+    _checks.check_array(op, "bias", bias, ndim=1)
     _checks.check_shape(op, "bias", bias, (h,))
+    return bias
 
 
 def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, deterministic: bool = False,
@@ -226,7 +231,7 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
     Args:
       x: ``(..., hidden)`` float32, float16 or bfloat16.
       bias: ``(hidden,)`` floating; read in ``x.dtype``, its gradient comes back in
-        its own dtype (summed in float32).
+        its own dtype (summed in float32). ``None``: no bias (nor bias gradient).
       residual: ``(..., hidden)`` in ``x.dtype``.
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
@@ -240,7 +245,7 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
       ``dbias = sum over rows of dx``, ``dresidual = dy``.
     """
     op = "bias_dropout_residual"
-    _check_x_bias(op, x, bias, seq_first)
+    bias = _check_x_bias(op, x, bias, seq_first)
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
@@ -256,7 +261,7 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     Args:
       x: ``(..., hidden)`` float32, float16 or bfloat16.
       bias: ``(hidden,)`` floating; read in ``x.dtype``, its gradient comes back in
-        its own dtype (summed in float32).
+        its own dtype (summed in float32). ``None``: no bias (nor bias gradient).
       activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
@@ -270,9 +275,52 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
       ``dbias = sum over rows of dx``.
     """
     op = "bias_act_dropout"
-    _check_x_bias(op, x, bias, seq_first)
+    bias = _check_x_bias(op, x, bias, seq_first)
     if not isinstance(activation, str) or activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
     x, bias = match_varying(x, bias)
     return _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dropout(x, seed, threshold, scale):
+    return _drop(x.astype(F32), seed, threshold, scale, False).astype(x.dtype)
+
+
+def _dropout_fwd(x, seed, threshold, scale):
+    return _dropout(x, seed, threshold, scale), seed
+
+
+def _dropout_bwd(threshold, scale, seed, dy):
+    return _drop(dy.astype(F32), seed, threshold, scale, False).astype(dy.dtype), None
+
+
+_dropout.defvjp(_dropout_fwd, _dropout_bwd)
+
+
+def dropout(x, *, rate: float, key=None, deterministic: bool = False):
+    """``dropout(x)`` alone, with the mask the fused ops draw (see the module docstring).
+
+    Args:
+      x: any shape, any floating dtype.
+      rate: static Python float in [0, 1), quantised to 1/65536.
+      key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
+      deterministic: no dropout (``x`` itself, as does ``rate == 0``).
+
+    Returns:
+      ``x``'s shape and dtype: kept elements times ``keep_scale(rate)`` in float32,
+      rounded once; ``bias_dropout_residual(x, None, zeros, ...)`` gives the same
+      result. Pure JAX (the mask is a few integer operations per element, which XLA
+      fuses with the multiply into one pass), so it runs and shards like any jnp
+      code; the backward regenerates the mask from the key and keeps nothing per
+      element.
+    """
+    op = "dropout"
+    _checks.check_array(op, "x", x, dtypes=None)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{op}: x must have a floating dtype, got {x.dtype}")
+    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    if threshold == 0:
+        return x
+    return _dropout(x, seed, threshold, scale)
