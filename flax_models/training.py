@@ -2,6 +2,7 @@
 orbax checkpoints of the full state (params, optimizer state, dropout RNG counters)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -25,12 +26,22 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.0
                    fused: bool = True):
     """AdamW with `lr_schedule`: ``jax_ls2.optim.adamw`` when ``fused``, else ``optax.adamw``.
     Returns (transformation, name). An option the chosen optimizer does not take raises
-    there; there is no fallback from one optimizer to the other."""
-    sched = lr_schedule(lr, steps, warmup)
+    there; there is no fallback from one optimizer to the other.
+
+    Equal schedules (the same lr, warm-up and decay length) give the same transformation
+    object, so two models built alike have equal graphdefs and share `make_step`'s step."""
     if fused:
-        from jax_ls2.optim import adamw  # noqa: PLC0415
-        return adamw(learning_rate=sched, weight_decay=weight_decay), "jax_ls2.optim.adamw"
-    return optax.adamw(learning_rate=sched, weight_decay=weight_decay), "optax.adamw"
+        from jax_ls2.optim import adamw as factory  # noqa: PLC0415
+        name = "jax_ls2.optim.adamw"
+    else:
+        factory, name = optax.adamw, "optax.adamw"
+    # the schedule depends on steps only through max(steps, warmup + 1)
+    return _adamw(factory, float(lr), max(steps, warmup + 1), warmup, float(weight_decay)), name
+
+
+@functools.lru_cache(maxsize=32)
+def _adamw(factory, lr: float, steps: int, warmup: int, weight_decay: float):
+    return factory(learning_rate=lr_schedule(lr, steps, warmup), weight_decay=weight_decay)
 
 
 def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None):
@@ -40,12 +51,18 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None):
     if params_from is not None:
         nnx.update(model, jax.tree.map(jnp.copy, nnx.state(params_from, nnx.Param)))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    return nnx.split((model, opt))
+    graphdef, state = nnx.split((model, opt))
+    # committed to the device, as a restored checkpoint's arrays are, so a fresh and a
+    # resumed run call the compiled step with the same input signature
+    return graphdef, jax.device_put(state, jax.devices()[0])
 
 
+@functools.lru_cache(maxsize=32)
 def make_step(graphdef):
     """jit(state, batch) -> (state, loss, aux); state donated. With a jax_ls2 optimizer,
-    aux["grads_finite"] is the optimizer's () bool report on the step's gradients."""
+    aux["grads_finite"] is the optimizer's () bool report on the step's gradients. Equal
+    graphdefs (same model, dtypes and optimizer object) get the same jitted function, so
+    repeated runs in one process compile once."""
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
         (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
@@ -58,9 +75,10 @@ def make_step(graphdef):
     return jax.jit(step, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=32)
 def make_eval_step(graphdef):
     """jit(state, batch) -> () float32 loss of the model in eval mode (no dropout); the
-    state is read, not changed or donated."""
+    state is read, not changed or donated. Cached like `make_step`."""
     def evaluate(state, batch):
         model, _ = nnx.merge(graphdef, state)
         model.eval()
@@ -152,7 +170,9 @@ def restore_checkpoint(directory: str, template, step: int | None = None):
     from the one saved with them (corrupted)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, treedef, is_key = _flat(template)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+    # restored onto the template's shardings, so a step compiled for the template runs as is
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            arrays)
     with _manager(directory) as mngr:
         step = mngr.latest_step() if step is None else step
         if step is None:

@@ -1,10 +1,13 @@
 """The training command: bit-for-bit resume, convergence of the jax_ls2 models against
 their plain-Flax twins (the command's interface and --compare: test_train_cli.py)."""
+import functools
+
 import numpy as np
 import pytest
 
 import flax_models as fm
 from flax_models import train as T
+from flax_models import training
 
 
 def _run(argv):
@@ -21,6 +24,7 @@ def _losses(argv, impl, params_from=None):
 @pytest.mark.slow
 def test_resume_is_bit_for_bit(tmp_path):
     base = ["--model", "bert", "--steps", "6", "--batch", "2", "--seq", "16", "--dropout", "0.1"]
+    hits = training.make_step.cache_info().hits
     straight = _losses(base, "ls2")
     ckpt = str(tmp_path / "ckpt")
     _losses(["--model", "bert", "--steps", "3", "--batch", "2", "--seq", "16", "--dropout", "0.1",
@@ -28,13 +32,22 @@ def test_resume_is_bit_for_bit(tmp_path):
     resumed = _losses(base + ["--ckpt-dir", ckpt, "--resume"], "ls2")
     assert len(resumed) == 3
     assert resumed == straight[3:]  # exact
+    # the three runs build equal models and optimizers, so they share one compiled step
+    assert training.make_step.cache_info().hits >= hits + 2
+
+
+@functools.cache
+def _initial_model(family, seed):
+    """The weights both implementations start from, built once per family: the params
+    depend on the seed and the layer shapes only (dropout rates and dtype create none)."""
+    return fm.build(fm.get_config(family, "tiny"), impl="ls2", seed=seed)
 
 
 def _converge(family, steps, dtype="float32", dropout=0.0, batch=4):
     argv = ["--model", family, "--steps", str(steps), "--batch", str(batch), "--seq", "32",
             "--dtype", dtype, "--dropout", str(dropout), "--optimizer", "optax"]
     args, cfg, _, _ = _run(argv)
-    init = fm.build(cfg, impl="ls2", seed=args.seed)
+    init = _initial_model(family, args.seed)
     ours = np.asarray(_losses(argv, "ls2", params_from=init))
     twin = np.asarray(_losses(argv, "plain", params_from=init))
     return ours, twin
