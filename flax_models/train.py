@@ -187,7 +187,8 @@ def describe_impl(impl: str) -> str:
     how = ls2_implementation()
     if how == "cuda":
         return "ls2: jax_ls2 on its CUDA kernels"
-    return f"ls2: jax_ls2 on its pure-JAX reference path (no CUDA kernels on {jax.default_backend()})"
+    return (f"ls2: jax_ls2 on its pure-JAX reference path, not its CUDA kernels (backend "
+            f"{jax.default_backend()})")
 
 
 # ---------------------------------------------------------------------------- measuring

@@ -170,7 +170,8 @@ def test_speedup_and_throughput_from_the_same_median(compare_run):
 
 def test_header_names_the_implementation_and_cpu_speedup_says_reference(compare_run):
     _, _, out, _ = compare_run
-    assert "implementation ls2: jax_ls2 on its pure-JAX reference path (no CUDA kernels on cpu)" in out
+    assert ("implementation ls2: jax_ls2 on its pure-JAX reference path, not its CUDA kernels "
+            "(backend cpu)") in out
     assert "implementation plain: plain Flax layers (no jax_ls2 code)" in out
     assert "this speedup compares two reference (XLA) paths, not the CUDA kernels" in out
 
