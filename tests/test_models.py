@@ -1,4 +1,13 @@
-"""Zoo models on jax_ls2 layers against their plain-Flax twins."""
+"""Zoo models on jax_ls2 layers against their plain-Flax twins.
+
+Models run through module-scope jitted functions (loss and gradients, loss, forward)
+whose compilations are cached by the model's graph definition and the inputs' shapes,
+so tests that run the same model on the same shapes (the fp32 twin test and the BERT
+head tests) compile each step once: they use the batch shape ``(BATCH, SEQ)``.
+Nothing runs op by op, which would compile every op of every model separately.
+"""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +16,8 @@ from flax import nnx
 
 import flax_models as fm
 from flax_models import data
+
+BATCH, SEQ = 3, 64
 
 
 def _twins(family, dtype=None, **over):
@@ -19,12 +30,33 @@ def _twins(family, dtype=None, **over):
     return cfg, ours, twin
 
 
-def _loss_and_grads(model, batch):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_loss_and_grads(graphdef, params, rest, batch):
+    return jax.value_and_grad(lambda p: nnx.merge(graphdef, p, rest).loss(batch), has_aux=True)(params)
 
-    def f(p):
-        return nnx.merge(graphdef, p, rest).loss(batch)[0]
-    return jax.value_and_grad(f)(params)
+
+@nnx.jit
+def _loss(model, batch):
+    """``model.loss(batch)``; dropout RNG counters advance as in an eager call."""
+    return model.loss(batch)
+
+
+@nnx.jit
+def _nnx_loss_and_grads(model, batch):
+    """The loss and its gradients through nnx.value_and_grad (an NNX transform)."""
+    return nnx.value_and_grad(lambda m: m.loss(batch)[0])(model)
+
+
+@nnx.jit
+def _forward(model, ids, padding_mask):
+    return model(ids, padding_mask=padding_mask)
+
+
+def _loss_and_grads(model, batch):
+    """((loss, aux), grads of the params) of ``model.loss(batch)``; the model must not
+    draw dropout keys (eval mode, or no dropout): its RNG state is not written back."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return _jit_loss_and_grads(graphdef, params, rest, batch)
 
 
 def _close(a, b, rtol, atol):
@@ -37,9 +69,9 @@ def _close(a, b, rtol, atol):
 def test_model_matches_twin_fp32(family):
     cfg, ours, twin = _twins(family)
     ours.eval(), twin.eval()
-    batch = data.make_batch(cfg, 0, 0, 2, 16)
-    lo, go = _loss_and_grads(ours, batch)
-    lt, gt = _loss_and_grads(twin, batch)
+    batch = data.make_batch(cfg, 0, 0, BATCH, SEQ)
+    (lo, _), go = _loss_and_grads(ours, batch)
+    (lt, _), gt = _loss_and_grads(twin, batch)
     np.testing.assert_allclose(lo, lt, rtol=1e-6)
     _close(go, gt, rtol=1e-4, atol=1e-6)
 
@@ -49,7 +81,7 @@ def test_model_matches_twin_bf16(family):
     cfg, ours, twin = _twins(family, dtype=jnp.bfloat16)
     ours.eval(), twin.eval()
     batch = data.make_batch(cfg, 0, 0, 2, 16)
-    lo, lt = ours.loss(batch)[0], twin.loss(batch)[0]
+    lo, lt = _loss(ours, batch)[0], _loss(twin, batch)[0]
     np.testing.assert_allclose(lo, lt, rtol=1e-2)
 
 
@@ -58,27 +90,27 @@ def test_bert_head_on_predicted_tokens_only_gives_the_same_loss(impl):
     """mlm_max_predictions: the MLM head on the gathered predicted tokens gives the loss
     and gradients of the head on every token, when no sequence has more predictions."""
     cfg = fm.get_config("bert", "tiny")
-    batch = data.make_batch(cfg.replace(mlm_max_predictions=12), 0, 0, 3, 64)
+    batch = data.make_batch(cfg.replace(mlm_max_predictions=12), 0, 0, BATCH, SEQ)
     counts = (batch["labels"] != -100).sum(-1)
     assert counts.max() <= 12 and counts.min() > 0
     full = fm.build(cfg, impl=impl, seed=0)
     gathered = fm.build(cfg.replace(mlm_max_predictions=12), impl=impl, seed=0)
     full.eval(), gathered.eval()
-    lf, gf = _loss_and_grads(full, batch)
-    lg, gg = _loss_and_grads(gathered, batch)
+    (lf, _), gf = _loss_and_grads(full, batch)
+    (lg, aux), gg = _loss_and_grads(gathered, batch)
     np.testing.assert_allclose(lg, lf, rtol=1e-6)
     _close(gg, gf, rtol=1e-4, atol=1e-6)
-    assert int(gathered.loss(batch)[1]["dropped_predictions"]) == 0
-    assert int(gathered.loss(batch)[1]["tokens"]) == int(counts.sum())
+    assert int(aux["dropped_predictions"]) == 0
+    assert int(aux["tokens"]) == int(counts.sum())
 
 
 def test_bert_predictions_beyond_the_cap_are_counted():
     cfg = fm.get_config("bert", "tiny", mlm_max_predictions=2)
-    batch = data.make_batch(fm.get_config("bert", "tiny"), 0, 0, 3, 64)  # uncapped masks
+    batch = data.make_batch(fm.get_config("bert", "tiny"), 0, 0, BATCH, SEQ)  # uncapped masks
     counts = (batch["labels"] != -100).sum(-1)
     model = fm.build(cfg, impl="plain", seed=0)
     model.eval()
-    _, aux = model.loss(batch)
+    _, aux = _loss(model, batch)
     assert int(aux["dropped_predictions"]) == int(np.maximum(counts - 2, 0).sum()) > 0
     assert int(aux["tokens"]) == int(np.minimum(counts, 2).sum())
 
@@ -87,10 +119,10 @@ def test_dropout_modes_and_keys():
     cfg, ours, _ = _twins("bert", hidden_dropout=0.1, attn_dropout=0.1)
     batch = data.make_batch(cfg, 0, 0, 2, 16)
     ours.eval()
-    a, b = ours.loss(batch)[0], ours.loss(batch)[0]
+    a, b = _loss(ours, batch)[0], _loss(ours, batch)[0]
     assert float(a) == float(b)
     ours.train()
-    c, d = ours.loss(batch)[0], ours.loss(batch)[0]
+    c, d = _loss(ours, batch)[0], _loss(ours, batch)[0]
     assert float(c) != float(a) and float(c) != float(d)
 
 
@@ -100,9 +132,8 @@ def test_remat_and_batched_cross_kv_do_not_change_the_model():
     nnx.update(remat, nnx.state(ours, nnx.Param))
     ours.eval(), remat.eval()
     batch = data.make_batch(cfg, 0, 0, 2, 12)
-    grad = nnx.value_and_grad(lambda m: m.loss(batch)[0])
-    lo, go = grad(ours)
-    lr, gr = grad(remat)
+    lo, go = _nnx_loss_and_grads(ours, batch)
+    lr, gr = _nnx_loss_and_grads(remat, batch)
     np.testing.assert_allclose(lo, lr, rtol=1e-6)
     _close(go, gr, rtol=1e-5, atol=1e-7)
     assert ours.decoder.batched_cross_kv
@@ -133,11 +164,11 @@ def test_bert_padding_mask_changes_only_padded_view():
     ours.eval(), twin.eval()
     ids = jnp.asarray(data.make_batch(cfg, 0, 0, 2, 16)["input_ids"])
     pad = jnp.arange(16)[None] < jnp.array([[16], [9]])
-    lo, lt = ours(ids, padding_mask=pad), twin(ids, padding_mask=pad)
+    lo, lt = _forward(ours, ids, pad), _forward(twin, ids, pad)
     _close(lo, lt, rtol=1e-4, atol=1e-5)
     # tokens after the padding do not influence the kept ones
     ids2 = ids.at[1, 9:].set(7)
-    _close(ours(ids2, padding_mask=pad)[1, :9], lo[1, :9], rtol=1e-5, atol=1e-5)
+    _close(_forward(ours, ids2, pad)[1, :9], lo[1, :9], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,preset,expected", [
