@@ -380,6 +380,23 @@ def test_layer_norm_epsilon_is_one_name_with_one_default():
         _close(ln(x), twin(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dropout_module_is_the_public_op(dtype):
+    """nn.Dropout draws the mask of jax_ls2.ops.dropout (that of the fused ops) and scales
+    in float32, rounding once."""
+    from jax_ls2 import ops
+    x = _x((4, 9, H), 3).astype(dtype)
+    key = jax.random.key(7)
+    got = nn.Dropout(0.1, deterministic=False)(x, rngs=key)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ops.dropout(x, rate=0.1, key=key)))
+    kept = np.asarray(got) != 0
+    assert 0.05 < 1 - kept.mean() < 0.15
+    from jax_ls2._random import keep_scale  # 1 / keep probability, the rate quantised
+    want = (np.asarray(x, np.float32) * np.float32(keep_scale(0.1))).astype(np.asarray(x).dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[kept], np.asarray(want, np.float32)[kept],
+                               rtol=1e-6)
+
+
 def test_validation_messages():
     with pytest.raises(ValueError, match=r"hidden_size \(30\).*num_heads \(4\)"):
         nn.TransformerEncoderLayer(30, F, N, rngs=nnx.Rngs(0))

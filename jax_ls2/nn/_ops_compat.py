@@ -1,31 +1,19 @@
-"""The functional ops the layers are built on (all from :mod:`jax_ls2.ops`), plus two
-pure-jnp pieces the layers need beside them: plain ``dropout`` with the shared
-counter-based mask, and ``xla_softmax_dropout``, the XLA reference of the attention
-softmax that the ``"xla"`` attention backend runs (same mask as the fused op).
+"""The functional ops the layers are built on (all from :mod:`jax_ls2.ops`), plus
+``xla_softmax_dropout``, the XLA reference of the attention softmax that the ``"xla"``
+attention backend runs (same mask as the fused op, through ``ops.dropout``).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_ls2 import _random
-from jax_ls2.ops import (bias_act_dropout, bias_dropout_residual, cross_entropy, embedding,
+from jax_ls2.ops import (bias_act_dropout, bias_dropout_residual, cross_entropy, dropout, embedding,
                          layer_norm, linear_cross_entropy, softmax_dropout)
 
 __all__ = ["bias_act_dropout", "bias_dropout_residual", "cross_entropy", "dropout", "embedding",
            "layer_norm", "linear_cross_entropy", "softmax_dropout", "xla_softmax_dropout"]
 
 _NEG = -1e30
-
-
-def dropout(x, *, rate, key, deterministic=False):
-    """x with the shared counter-based dropout mask (scaled by 1/keep); any shape, float dtype."""
-    if deterministic or rate == 0.0:
-        return x
-    if key is None:
-        raise ValueError("dropout: a PRNG key is required when rate > 0 and deterministic=False")
-    keep = _random.keep_mask(_random.seed_words(key), x.shape, _random.dropout_threshold(rate))
-    return jnp.where(keep, x * jnp.asarray(_random.keep_scale(rate), x.dtype), jnp.zeros_like(x))
 
 
 def xla_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key=None,
