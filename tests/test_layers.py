@@ -341,7 +341,8 @@ def test_layer_config_is_the_one_signature():
 
 
 def test_layer_config_errors_name_the_constructor():
-    with pytest.raises(TypeError, match=r"TransformerEncoderLayer: unexpected keyword argument\(s\) \['layer_norm_eps'\]"):
+    with pytest.raises(TypeError,
+                       match=r"TransformerEncoderLayer: unexpected keyword argument\(s\) \['layer_norm_eps'\]"):
         nn.TransformerEncoderLayer(H, F, N, layer_norm_eps=1e-5, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="TransformerEncoder: unexpected keyword"):
         nn.TransformerEncoder(2, H, F, N, eps=1e-5, rngs=nnx.Rngs(0))
@@ -351,7 +352,8 @@ def test_layer_config_errors_name_the_constructor():
         nn.TransformerEncoderLayer(H, F, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="TransformerEncoderLayer: epsilon must be a positive float, got 0"):
         nn.TransformerEncoderLayer(H, F, N, epsilon=0, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match="TransformerEncoderLayer: dtype must be a floating JAX dtype or None, got 'foo'"):
+    with pytest.raises(TypeError,
+                       match="TransformerEncoderLayer: dtype must be a floating JAX dtype or None, got 'foo'"):
         nn.TransformerEncoderLayer(H, F, N, dtype="foo", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="TransformerEncoderLayer: pre_layer_norm must be a Python bool"):
         nn.TransformerEncoderLayer(H, F, N, pre_layer_norm="yes", rngs=nnx.Rngs(0))

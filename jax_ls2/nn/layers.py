@@ -214,9 +214,10 @@ class TransformerDecoderLayer(_Block):
     __doc__ = """Decoder layer: causal self-attention, cross-attention, FFN.
 
     ``__call__(x, memory=None, *, cross_kv=None, padding_mask=None, memory_padding_mask=None,
-    deterministic=None, rngs=None, output_copies=1, seq_first=False)``: x (batch, tgt_len, hidden); memory (batch, src_len,
-    hidden) or cross_kv, its precomputed ``cross_attn.kv`` projection (batch, src_len,
-    2*hidden), as `TransformerDecoder` computes for all layers in one GEMM. With
+    deterministic=None, rngs=None, output_copies=1, seq_first=False)``: x (batch, tgt_len,
+    hidden); memory (batch, src_len, hidden) or cross_kv, its precomputed
+    ``cross_attn.kv`` projection (batch, src_len, 2*hidden), as `TransformerDecoder`
+    computes for all layers in one GEMM. With
     ``seq_first`` x, memory, cross_kv and the result are (len, batch, ...).
     ``output_copies=4`` (post-LN): as in `TransformerEncoderLayer`.
     """ + _DOC_ARGS
