@@ -317,6 +317,10 @@ def test_transformer_layer_takes_transformer_engine_aliases():
     # a LayerConfig keeps its own values (no Transformer Engine defaults on top)
     cfg = nn.LayerConfig(H, F, N)
     assert nn.TransformerLayer(cfg, rngs=nnx.Rngs(0)).config == cfg
+    # the plain twin takes the same aliases and builds the same tree
+    ours, twin = _pair("TransformerLayer", H, ffn_hidden_size=F, num_attention_heads=N, layernorm_epsilon=1e-6,
+                       layer_type="decoder")
+    assert twin.ffn_ln.epsilon == ours.ffn_ln.epsilon == 1e-6
 
 
 def test_layer_config_is_the_one_signature():
