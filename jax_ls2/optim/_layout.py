@@ -36,13 +36,39 @@ def layout_of(leaves: Sequence) -> Layout:
     return Layout(shapes, sizes, tuple(offsets), pos)
 
 
-def check_float_leaves(fn: str, name: str, leaves) -> None:
+def float_leaves(fn: str, name: str, leaves) -> list:
+    """`leaves` as JAX arrays, checked to be float32, float16 or bfloat16. NumPy arrays
+    and Python scalars are taken as ``jnp.asarray`` takes them (as optax's own math
+    does: without x64, a float64 NumPy array becomes float32, JAX's rule); any other
+    dtype raises a TypeError naming `fn`, `name` and the leaf."""
+    out = []
     for i, x in enumerate(leaves):
+        if isinstance(x, (np.ndarray, np.generic, float, int)) and not isinstance(x, jax.Array):
+            x = jnp.asarray(x)
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             raise TypeError(f"{fn}: {name} leaf {i} must be an array, got {type(x).__name__}")
         if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
             raise TypeError(f"{fn}: {name} leaf {i} must have dtype float32, float16 or bfloat16, "
                             f"got {x.dtype}")
+        axes = _explicit_axes(x)
+        if axes:
+            raise ValueError(f"{fn}: {name} leaf {i} is sharded over the explicit mesh axes {axes} "
+                             f"({jax.typeof(x)}); the fused optimizer keeps its state in flat buffers that "
+                             "such leaves cannot be concatenated into: use a mesh with AxisType.Auto axes "
+                             "(sharding then follows from the inputs) or run the step inside jax.shard_map")
+        out.append(x)
+    return out
+
+
+def _explicit_axes(x) -> tuple:
+    """The mesh axes of AxisType.Explicit that shard `x`'s type (empty for Auto meshes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or not getattr(mesh, "axis_names", None):
+        return ()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    used = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    return tuple(a for a in used if a in explicit)
 
 
 def flatten(leaves: Sequence, layout: Layout, dtype=jnp.float32) -> jax.Array:

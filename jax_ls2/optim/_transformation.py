@@ -12,7 +12,7 @@ import optax
 
 from jax_ls2.optim import _abi as A
 from jax_ls2.optim import _ffi_calls
-from jax_ls2.optim._layout import check_float_leaves, flatten, layout_of
+from jax_ls2.optim._layout import float_leaves, flatten, layout_of
 from jax_ls2.optim._options import PrecisionOptions
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -101,9 +101,15 @@ def _decay_mask(cfg: Config, params, n: int) -> tuple:
     if cfg.mask is None:
         return (1,) * n
     mask = cfg.mask(params) if callable(cfg.mask) else cfg.mask
-    leaves = jax.tree.leaves(mask)
+    # As optax's masks: a prefix of the params tree, each bool covering its subtree.
+    try:
+        per_leaf = jax.tree.map(lambda m, sub: [m] * len(jax.tree.leaves(sub)), mask, params)
+    except ValueError as e:
+        raise ValueError(f"{cfg.name}: mask must be a prefix of the params tree (one bool per leaf or per "
+                         f"subtree): {e}") from None
+    leaves = jax.tree.leaves(per_leaf)
     if len(leaves) != n:
-        raise ValueError(f"{cfg.name}: mask must have one bool per parameter leaf ({n}), got {len(leaves)}")
+        raise ValueError(f"{cfg.name}: mask must give one bool per parameter leaf ({n}), got {len(leaves)}")
     out = []
     for i, m in enumerate(leaves):
         if isinstance(m, jax.core.Tracer):
@@ -124,7 +130,7 @@ def init_state(cfg: Config, params) -> FusedState:
     _check(cfg)
     o = cfg.options
     leaves = jax.tree.leaves(params)
-    check_float_leaves(cfg.name, "params", leaves)
+    leaves = float_leaves(cfg.name, "params", leaves)
     layout = layout_of(leaves)
     zeros = lambda: jnp.zeros((layout.total,), o.moment)
     seed = jnp.asarray(o.seed).astype(jnp.uint32).reshape(())
@@ -209,7 +215,7 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     if params is None:
         params = _params_stand_in(cfg, grads, apply=apply)
     p_leaves, treedef = jax.tree.flatten(params)
-    check_float_leaves(fn, "params", p_leaves)
+    p_leaves = float_leaves(fn, "params", p_leaves)
     layout = layout_of(p_leaves)
     flat = isinstance(grads, FlatGrads)
     if flat:
@@ -221,7 +227,7 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
         g_leaves, g_def = jax.tree.flatten(grads)
         if g_def != treedef:
             raise ValueError(f"{fn}: grads must have the structure of params; got {g_def}, expected {treedef}")
-        check_float_leaves(fn, "grads", g_leaves)
+        g_leaves = float_leaves(fn, "grads", g_leaves)
         for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
             if tuple(g.shape) != tuple(p.shape):
                 raise ValueError(f"{fn}: grads leaf {i} must have shape {tuple(p.shape)}, got {tuple(g.shape)}")

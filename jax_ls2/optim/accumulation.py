@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_ls2.optim import _ffi_calls
-from jax_ls2.optim._layout import check_float_leaves, layout_of, unflatten
+from jax_ls2.optim._layout import float_leaves, layout_of, unflatten
 from jax_ls2.optim._transformation import FlatGrads
 
 
 def init_accumulator(params) -> FlatGrads:
     """A zero (total,) float32 gradient accumulator in the flat layout of `params`."""
     leaves = jax.tree.leaves(params)
-    check_float_leaves("init_accumulator", "params", leaves)
+    leaves = float_leaves("init_accumulator", "params", leaves)
     return FlatGrads(jnp.zeros((layout_of(leaves).total,), jnp.float32))
 
 
@@ -24,7 +24,7 @@ def accumulate(acc: FlatGrads, grads, scale=1.0) -> FlatGrads:
     if not isinstance(acc, FlatGrads):
         raise TypeError(f"accumulate: acc must be a FlatGrads from init_accumulator, got {type(acc).__name__}")
     leaves = jax.tree.leaves(grads)
-    check_float_leaves("accumulate", "grads", leaves)
+    leaves = float_leaves("accumulate", "grads", leaves)
     layout = layout_of(leaves)
     if acc.buffer.shape != (layout.total,) or acc.buffer.dtype != jnp.float32:
         raise ValueError(f"accumulate: acc.buffer must be float32 of shape ({layout.total},), got "
