@@ -1,12 +1,13 @@
 """Plumbing shared by every op: one `FusedKernel` is a pure-JAX reference and a CUDA
 FFI call of the same math, composed as
 
-    custom_vmap( custom_partitioning( platform_dependent(cuda=..., default=reference) ) )
+    custom_jvp( custom_vmap( custom_partitioning( platform_dependent(cuda=..., default=reference) ) ) )
 
 so that a single jitted function runs on any backend, batches under ``vmap``, and
 partitions along batch-like dimensions under ``jit`` with sharded inputs without
 gathering them. The ops put ``jax.custom_vjp`` outside, with the forward and the
-backward each a `FusedKernel`.
+backward each a `FusedKernel`; the ``custom_jvp`` layer only turns a second
+derivative (differentiating the backward) into a clear NotImplementedError.
 
 Operands and results are described by `Role`s:
 
@@ -299,7 +300,8 @@ class FusedKernel:
 
         @fn.def_vmap
         def rule(axis_size, in_batched, *args):
-            foldable = not one_by_one and all(not b or r.kind in (ROWS, BCAST) for b, r in zip(in_batched, kernel.operands))
+            foldable = not one_by_one and all(not b or r.kind in (ROWS, BCAST)
+                                              for b, r in zip(in_batched, kernel.operands))
             foldable = foldable and all(r.kind != SUM for r in kernel.results)
             if foldable:
                 folded = []

@@ -364,7 +364,8 @@ def _lce_fwd(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
         dw = dw + jax.lax.dot_general(g, rows, (((0,), (0,)), ((), ())), preferred_element_type=F32)
         if db is not None:
             gf = g.astype(F32)
-            db = db + (jnp.sum(gf, axis=0) if w_c is None else w_c @ gf)
+            # An elementwise product, not w_c @ g: a GEMM would run in TF32 on the GPU.
+            db = db + jnp.sum(gf if w_c is None else gf * w_c[:, None], axis=0)
         return (total + jnp.sum(loss), dw, db), (dh.astype(h.dtype), token_loss)
 
     init = (jnp.zeros((), F32), jnp.zeros((padded, hidden), F32),
