@@ -147,14 +147,21 @@ def init_state(cfg: Config, params) -> FusedState:
     )
 
 
+@jax.jit
+def _bias_correction(decay, count):
+    """``1 - decay ** count``, optax's expression, compiled as optax compiles it (its
+    bias correction is a jitted function): evaluated op by op outside ``jit`` the power
+    rounds differently, and the steps drift from optax's by many ulps."""
+    return 1 - decay ** count
+
+
 def _hyper(cfg: Config, state: FusedState, count_inc) -> jax.Array:
     lr = cfg.learning_rate(state.count) if callable(cfg.learning_rate) else cfg.learning_rate
     b1 = cfg.b1 if cfg.b1 is not None else 0.0
     b2 = cfg.b2 if cfg.b2 is not None else 0.0
     if cfg.algo == A.ADAM:
-        # The expressions of optax.scale_by_adam, so the constants agree to the bit.
-        bc1 = 1 - b1 ** count_inc
-        bc2 = 1 - b2 ** count_inc
+        bc1 = _bias_correction(b1, count_inc)
+        bc2 = _bias_correction(b2, count_inc)
     else:
         bc1 = bc2 = 1.0
     vals = [0.0] * A.HP_SIZE
