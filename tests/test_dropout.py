@@ -162,18 +162,25 @@ def test_same_key_same_mask_different_key_different_mask():
 
 
 # ---------------------------------------------------------------- transformations
+def _assert_same_mask_and_close(actual, desired):
+    np.testing.assert_array_equal(np.asarray(actual) == 0, np.asarray(desired) == 0)
+    np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-6)
+
+
 def test_jit_grad_vmap_checkpoint_scan():
     x, b, r, dy = _inputs((3, 4, 24))
     key = jax.random.key(8)
     f = lambda x, b, r: bias_dropout_residual(x, b, r, rate=RATE, key=key)
     g = lambda x, b: bias_act_dropout(x, b, activation="gelu_tanh", rate=RATE, key=key)
     np.testing.assert_array_equal(jax.jit(f)(x, b, r), f(x, b, r))
-    np.testing.assert_array_equal(jax.jit(g)(x, b), g(x, b))
+    # gelu_tanh's tanh is compiled differently by XLA's CPU fusions inside and outside jit
+    # (a few ulps apart): the mask must match exactly, the values to float32 rounding.
+    _assert_same_mask_and_close(jax.jit(g)(x, b), g(x, b))
     # vmap: each example draws the mask it draws alone
     yv = jax.vmap(f, in_axes=(0, None, 0))(x, b, r)
     np.testing.assert_array_equal(yv, jnp.stack([f(x[i], b, r[i]) for i in range(3)]))
     yv = jax.vmap(g, in_axes=(0, None))(x, b)
-    np.testing.assert_array_equal(yv, jnp.stack([g(x[i], b) for i in range(3)]))
+    _assert_same_mask_and_close(yv, jnp.stack([g(x[i], b) for i in range(3)]))
     # vmap over keys
     keys = jax.random.split(key, 3)
     yk = jax.vmap(lambda x, k: bias_act_dropout(x, b, activation="relu", rate=0.5, key=k))(x, keys)
