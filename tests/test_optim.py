@@ -532,6 +532,28 @@ def test_outside_jit_adam_steps_are_optax_steps_within_a_few_ulps():
         assert_tree_close(u, v, rtol=6e-7, atol=0)
 
 
+def test_state_shardings_derived_from_params_specs_with_map_params():
+    """The optax recipe: optax.tree.map_params maps the params-shaped parts of the
+    state to the params' shardings and the rest to `transform_non_params`. The flat
+    buffers are not params-shaped, so they take the latter (replicated here), and a
+    jitted step with those shardings gives optax's numbers on a sharded mesh."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)), jnp.float32), "b": jnp.ones((6,))}
+    shardings = {"w": NamedSharding(mesh, P("x", None)), "b": NamedSharding(mesh, P())}
+    params = jax.device_put(params, shardings)
+    tx = optim.adamw(1e-2)
+    state_shardings = optax.tree.map_params(tx.init, lambda p: p, jax.eval_shape(tx.init, params),
+                                            transform_non_params=lambda _: NamedSharding(mesh, P()))
+    assert optim.find_state(state_shardings).mu.spec == P()
+    state = jax.device_put(tx.init(params), state_shardings)
+    step = jax.jit(lambda p, s: tx.update(p, s, p), out_shardings=(shardings, state_shardings))
+    u, _ = step(params, state)
+    v, _ = optax.adamw(1e-2).update(params, optax.adamw(1e-2).init(params), params)
+    assert u["w"].sharding.spec == P("x", None)
+    assert_tree_close(u, v, rtol=1e-6, atol=1e-7)
+
+
 def test_moments_view_is_params_shaped_and_matches_optax():
     params = make_params()
     ours, s_ours = run(optim.adam(1e-2), params, 3)

@@ -14,6 +14,9 @@ as in optax. Trees would have to be concatenated into the kernel's buffers and s
 back inside every step, as much memory traffic as the update itself, and the fused
 step would no longer be one custom call. Hence ``optax.tree.get(state, "mu")`` gives
 the flat buffer; `moments(state, params)` gives params-shaped views (copies).
+``optax.tree.map_params`` sees no params-shaped part in the state, so the usual recipe
+that derives state shardings from the params' (``transform_non_params`` for the rest)
+gives the flat buffers its non-params sharding, replicated for instance.
 Parameters sharded over explicit mesh axes (``AxisType.Explicit``) are refused with a
 message; Auto meshes and ``shard_map`` work. float64 and complex leaves are refused
 (TypeError): the kernels take float32, float16 and bfloat16.
