@@ -250,8 +250,10 @@ def main(argv=None):
     if args.steps < 20 and not args.smoke:
         p.error("--steps must be >= 20")
     if args.one:
-        print("RESULT " + json.dumps(run_one(*args.one, args.steps, args.warmup, args.quick,
-                                             args.smoke, args.group)), flush=True)
+        from bench.common import backend
+        result = run_one(*args.one, args.steps, args.warmup, args.quick, args.smoke, args.group)
+        result["backend"] = backend()  # what jax_ls2's ops ran in this process
+        print("RESULT " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
     rows, commit = [], git_commit()
@@ -293,7 +295,7 @@ def write_csv(rows, out, date, quick, smoke):
     for r in rows:
         base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
         r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
-    fields = ["model", "shape", "dtype", "impl", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
+    fields = ["model", "shape", "dtype", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
               "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "group", "host_ms", "gpu", "jax_version",
               "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"

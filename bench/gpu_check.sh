@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Builds jax_ls2 on a GPU machine, runs the GPU tests and the benchmarks, writes
-# logs and CSVs to $OUT (default bench/results/latest), prints a short table last.
+# logs and CSVs to $OUT (default a fresh bench/results/runs/<date>_<commit>, which git ignores),
+# prints a short table last. Its CSVs join the long history with
+#   python -m bench.report append $OUT --run <gpu>-<date>
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
 # limits (OPTIM_TIMEOUT for bench_optim) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/latest}
-mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+OUT=${OUT:-bench/results/runs/$(date -u +%Y%m%dT%H%MZ)_$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
 STEPS=${*:-tests bench}
 # The kernels are built explicitly (JAX_LS2_BUILD_CUDA=1): a build that skipped them would
 # leave every op on its reference and every GPU test skipped.
@@ -152,3 +154,4 @@ for path in sorted(glob.glob(sys.argv[1] + "/*.csv") + glob.glob(sys.argv[1] + "
               f"{r.get('ms_median',''):>8}ms {r.get('pct_copy_bw',''):>5}% x{r.get('speedup_vs_xla', ''):<6}"
               f" dev {r.get('device_ms',''):>8}ms {r.get('device_pct_copy_bw',''):>5}% x{r.get('device_speedup_vs_xla','')}")
 PYEOF
+echo "append these results to bench/results/results.csv with: python -m bench.report append $OUT --run <gpu>-<date>"

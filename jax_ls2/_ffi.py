@@ -18,7 +18,7 @@ import os
 
 import jax
 
-REBUILD_COMMAND = "pip install --no-build-isolation --no-deps -e ."
+REBUILD_COMMAND = "JAX_LS2_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e ."
 REBUILD_HINT = (
     "jax_ls2 was installed without its CUDA kernels. Rebuild on a machine with nvcc: "
     f"`{REBUILD_COMMAND}` (set JAX_LS2_CUDA_ARCHS, e.g. '80;90', for the target GPUs)."

@@ -1,4 +1,4 @@
-"""The counter-based dropout generator, bit for bit the same as ``csrc/common.cuh``.
+"""The counter-based dropout generator, bit for bit the same as ``csrc/kernels/common.cuh``.
 
 Element ``g`` (global flat index, offset included) of a dropout mask is kept iff
 its 16-bit draw ``u16(g) >= threshold`` with ``threshold = round(rate * 65536)``:
