@@ -9,8 +9,6 @@ donated arguments the update happens in place.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
