@@ -208,7 +208,7 @@ setup(
     python_requires=">=3.12",
     install_requires=["jax==0.11.2", "jaxlib==0.11.2", "flax==0.12.10", "optax==0.2.8", "numpy",
                       "orbax-checkpoint>=0.11", "safetensors>=0.4"],
-    extras_require={"test": ["pytest", "pytest-xdist"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "ruff"]},
     ext_modules=[Extension("jax_ls2._C", sources=_sources())],
     cmdclass={"build_ext": NvccBuildExt},
     zip_safe=False,

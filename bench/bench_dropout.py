@@ -59,7 +59,7 @@ def run(rows: Rows, dtypes, reps: int):
                 fwd = lambda f, nin=nin: (lambda *s: f(*s[:nin], s[3]))
                 compare(rows, name, shape, dtype, "fwd", fwd_b / 1e9, fwd(ours), fwd(xla), sets, reps)
 
-                def pulls(f, nin=nin):
+                def pulls(f, nin=nin, sets=sets):
                     out = []
                     for s in sets:
                         arrays, key, dy = split(s)

@@ -59,8 +59,8 @@ def run(rows: Rows, dtypes, reps: int):
             pulls = lambda f: [(jax.vjp(f, x, g, b)[1], dy) for x, r, g, b, dy in sets]
             bwd_ours, bwd_xla = pulls(layer_norm), pulls(xla_layer_norm)
             apply = lambda pull, dy: pull(dy)
-            mo = compare(rows, "layer_norm", shape, dtype, "bwd", bwd_gb, apply, apply, bwd_ours, reps,
-                         xla_sets=bwd_xla)
+            compare(rows, "layer_norm", shape, dtype, "bwd", bwd_gb, apply, apply, bwd_ours, reps,
+                    xla_sets=bwd_xla)
             del bwd_ours, bwd_xla
             compare(rows, "layer_norm", shape, dtype, "fwd+bwd", fwd_gb + bwd_gb,
                     vjp_of(layer_norm), vjp_of(xla_layer_norm), sets, reps)

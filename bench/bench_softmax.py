@@ -59,7 +59,7 @@ def run(rows: Rows, dtypes, reps: int, shapes=SHAPES):
             compare(rows, "softmax_dropout", shape, dtype, "fwd", fwd_gb, ours, xla, sets, reps)
 
             # Backward alone: pullbacks (holding each forward's residuals) made beforehand.
-            def pulls(f):
+            def pulls(f, sets=sets):
                 return [(jax.vjp(lambda s: f(s, m, key, dy), s)[1], dy) for s, m, key, dy in sets]
 
             bwd_ours, bwd_xla = pulls(ours), pulls(xla)

@@ -1,7 +1,6 @@
 """cross_entropy and linear_cross_entropy: independent float64 formulas, jax.grad,
 optax's smoothing convention, ignored tokens, large vocabularies, validation,
 sharding, CUDA lowering, and (on a GPU) the 2x error rule."""
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +192,6 @@ def test_linear_cross_entropy_equals_unfused(chunk, use_bias, eps, ignore, red):
     y = jax.random.randint(k[3], n_lead, 0, vocab, jnp.int32)
     if ignore is not None:
         y = y.at[0, :3].set(ignore)
-    bias = b if use_bias else None
 
     def fused(h, w, b):
         return linear_cross_entropy(h, w, y, bias=b if use_bias else None, label_smoothing=eps,

@@ -1,6 +1,5 @@
 """bias_dropout_residual and bias_act_dropout: reference vs plain formulas, gradients,
 transformations, dropout statistics, sharding, CUDA lowering, bad inputs, GPU numerics."""
-import functools
 
 import jax
 import jax.numpy as jnp
