@@ -1,0 +1,162 @@
+"""fp8_dot: a GEMM with delayed-scaled FP8 operands, forward and backward."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
+from jax_ls2.fp8.state import DotMeta, FP8DotMeta, FP8Meta
+
+OP = "fp8_dot"
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
+    """``x @ w`` with both operands cast to FP8 by their delayed scales.
+
+    Args:
+      x: (..., K) float32/bfloat16/float16, at least rank 2.
+      w: (K, N) float32/bfloat16/float16.
+      meta: this GEMM's `DotMeta` (amax_history (3, L), scale (3,), scale_inv (3,),
+        float32; L = recipe.amax_history_len), or an `FP8Meta` / `FP8DotMeta` holding it.
+      recipe: the `DelayedScaling` the meta follows.
+      dtype: the result dtype (float32/bfloat16/float16); default: x's and w's promoted dtype.
+      amax_axes: mesh axis names (inside ``shard_map``) over which the amaxes are
+        max-reduced when ``recipe.reduce_amax``. Under a sharded ``jit`` nothing is
+        needed: the amax of a sharded array is already global.
+
+    Returns:
+      (..., N) in ``dtype``.
+
+    Forward: x and w are cast to E4M3 with ``meta.scale`` (saturating at 448) and
+    multiplied as an FP8 ``dot_general`` accumulating in float32, then scaled by the
+    two scale_invs. Kept for the backward: the FP8 copies of x and w and the meta.
+    Backward: the output gradient is cast to E5M2 (hybrid; E4M3 for "e4m3") with its
+    delayed scale; dgrad and wgrad are FP8 ``dot_general``s. The gradient with respect
+    to ``meta`` is the meta update: a `DotMeta` whose ``amax_history[:, 0]`` holds
+    this step's amaxes of x, w and the output gradient (taken before casting), zeros
+    elsewhere (see `jax_ls2.fp8.split_meta` and `update_meta`). Under ``jax.vmap``
+    with a shared meta, the amaxes are taken over the whole mapped batch.
+    Second-order derivatives raise NotImplementedError.
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"{OP}: recipe must be a jax_ls2.fp8.DelayedScaling, got {type(recipe).__name__}")
+    for name, a in (("x", x), ("w", w)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{OP}: {name} must be an array, got {type(a).__name__}")
+        if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{OP}: {name} must have dtype in (float32, bfloat16, float16), got {a.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{OP}: x must have shape (..., K) with rank >= 2, got {tuple(x.shape)}")
+    if w.ndim != 2:
+        raise ValueError(f"{OP}: w must have shape (K, N) (rank 2), got {tuple(w.shape)}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{OP}: x's last dim (K={x.shape[-1]}) must equal w's first dim, "
+                         f"got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    dtype = jnp.dtype(jnp.result_type(x.dtype, w.dtype) if dtype is None else dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{OP}: dtype must be one of (float32, bfloat16, float16), got {dtype}")
+    dm = _as_dot_meta(meta, recipe)
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    if not isinstance(amax_axes, (tuple, list)) or not all(isinstance(a, str) for a in amax_axes):
+        raise TypeError(f"{OP}: amax_axes must be a tuple of mesh axis names, got {amax_axes!r}")
+    axes = tuple(amax_axes) if recipe.reduce_amax else ()
+    return _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w, dm)
+
+
+def _as_dot_meta(meta, recipe: DelayedScaling) -> DotMeta:
+    if isinstance(meta, FP8DotMeta):
+        meta = meta.meta
+    if isinstance(meta, FP8Meta):
+        meta = meta.get_value()
+    if not isinstance(meta, DotMeta):
+        raise TypeError(f"{OP}: meta must be a DotMeta, FP8Meta or FP8DotMeta, got {type(meta).__name__}")
+    shapes = ((NUM_OPERANDS, recipe.amax_history_len), (NUM_OPERANDS,), (NUM_OPERANDS,))
+    for name, a, shape in zip(DotMeta._fields, meta, shapes):
+        if tuple(a.shape) != shape or jnp.dtype(a.dtype) != jnp.float32:
+            raise ValueError(f"{OP}: meta.{name} must be float32 of shape {shape} (amax_history_len="
+                             f"{recipe.amax_history_len}), got {a.dtype} {tuple(a.shape)}")
+    return meta
+
+
+def _quantize(t, scale, fp8_dtype):
+    """t * scale, saturated to the FP8 range, cast to ``fp8_dtype`` (round to nearest)."""
+    limit = fp8_max(fp8_dtype)
+    return jnp.clip(t.astype(jnp.float32) * scale, -limit, limit).astype(fp8_dtype)
+
+
+def _scaled_dot(a, b, dimension_numbers, scale_inv, out_dtype):
+    """FP8 dot_general accumulating in float32, then the scale_inv multiply."""
+    acc = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+    return (acc * scale_inv).astype(out_dtype)
+
+
+@custom_vmap
+def _amax(t, like_scale):
+    """max |t| as a float32 scalar; ``like_scale`` (the meta's scale) only tells the
+    vmap rule whether the meta is mapped."""
+    del like_scale
+    return jnp.max(jnp.abs(t)).astype(jnp.float32)
+
+
+@_amax.def_vmap
+def _amax_vmap(axis_size, in_batched, t, like_scale):
+    # A shared (unmapped) meta sees one amax over the whole mapped batch, so its
+    # update is one observation instead of axis_size observations that would be summed.
+    t_batched, meta_batched = in_batched
+    if not meta_batched:
+        return jnp.max(jnp.abs(t)).astype(jnp.float32), False
+    if t_batched:
+        return jnp.max(jnp.abs(t), axis=tuple(range(1, t.ndim))).astype(jnp.float32), True
+    return jnp.broadcast_to(jnp.max(jnp.abs(t)).astype(jnp.float32), (axis_size,)), True
+
+
+def _reduced_amax(t, like_scale, axes):
+    amax = _amax(jax.lax.stop_gradient(t), jax.lax.stop_gradient(like_scale))
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+@jax.custom_jvp
+def _first_order_only(tree):
+    return tree
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError(f"{OP}: second-order derivatives are not supported (the backward "
+                              f"pass quantizes to FP8, which has no useful derivative)")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
+    return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm)[0]
+
+
+def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
+    amax_x = _reduced_amax(x, dm.scale, axes)
+    amax_w = _reduced_amax(w, dm.scale, axes)
+    xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
+    wq = _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype)
+    y = _scaled_dot(xq, wq, (((x.ndim - 1,), (0,)), ((), ())), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
+    return y, (xq, wq, dm, amax_x, amax_w)
+
+
+def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, residuals, g):
+    g, residuals = _first_order_only((g, residuals))
+    xq, wq, dm, amax_x, amax_w = residuals
+    amax_g = _reduced_amax(g, dm.scale, axes)
+    gq = _quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype)
+    lead = tuple(range(g.ndim - 1))
+    # dgrad (..., N) x (K, N) -> (..., K); wgrad (..., K) x (..., N) -> (K, N).
+    dx = _scaled_dot(gq, wq, (((g.ndim - 1,), (1,)), ((), ())),
+                     dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], x_dtype)
+    dw = _scaled_dot(xq, gq, ((lead, lead), ((), ())), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
+    d_meta = DotMeta.observation(jnp.stack([amax_x, amax_w, amax_g], axis=-1), dm)
+    return dx, dw, d_meta
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
