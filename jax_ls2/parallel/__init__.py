@@ -1,0 +1,18 @@
+"""Parallel training on a device mesh: the mesh and its axes, the multi-process runtime,
+and Megatron tensor-parallel building blocks.
+
+``make_mesh("data=2,tensor=4")`` builds a mesh with axes ``("pipe", "data", "seq",
+"tensor")`` (tensor innermost, all ``AxisType.Auto``) over every device of every process;
+``initialize_distributed()`` starts ``jax.distributed`` from the environment when several
+processes run. `ColumnParallelLinear` / `RowParallelLinear` (and their functional forms)
+split GEMMs over the tensor axis, with their parameters annotated for
+``nnx.get_partition_spec``; they work under sharded ``jit`` and inside ``shard_map``.
+"""
+from jax_ls2.parallel.distributed import initialize_distributed
+from jax_ls2.parallel.mesh import AXES, DATA, PIPE, SEQ, TENSOR, make_mesh, parse_mesh_spec
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+                                     row_parallel_linear)
+
+__all__ = ["AXES", "DATA", "PIPE", "SEQ", "TENSOR", "ColumnParallelLinear", "RowParallelLinear",
+           "column_parallel_linear", "initialize_distributed", "make_mesh", "parse_mesh_spec",
+           "row_parallel_linear"]

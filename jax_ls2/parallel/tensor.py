@@ -1,0 +1,203 @@
+"""Megatron tensor parallelism: column- and row-parallel linear layers (Flax NNX) and functions.
+
+A Megatron MLP is ``row(act(column(x)))``: the column-parallel layer splits its
+``(in, out)`` kernel by output columns over the tensor axis, so each device computes a
+slice of the features, and the activation runs on that slice; the row-parallel layer
+splits its kernel by input rows, so each device's product is a partial sum of the full
+output, and one all-reduce over the tensor axis completes it. Forward: one all-reduce;
+backward: one all-reduce of the column layer's input gradient.
+
+Two ways to run them:
+
+- Under ``jit`` with the parameters placed by their partition specs
+  (``nnx.get_partition_spec(nnx.state(model))``, mesh axes ``AxisType.Auto``): the
+  partitioner keeps the column output sharded on its feature dim and inserts the
+  all-reduce after the row-parallel product.
+- Inside ``jax.shard_map`` with the tensor axis manual (parameters passed with those
+  same specs, so each device holds its shard): the row-parallel product is reduced by
+  an explicit ``psum`` over the tensor axis; the column layer's input gradient is summed
+  by the transpose of ``shard_map``'s replicated-to-varying cast (keep ``check_vma=True``,
+  the default, for that).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_ls2.parallel.mesh import TENSOR
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+_default_bias_init = nnx.initializers.zeros_init()
+
+
+def bound_axis_size(axis_name: str) -> int | None:
+    """The size of ``axis_name`` inside ``shard_map`` (a manual axis), None outside it."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+
+
+def _linear(x, kernel, bias, dtype):
+    x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
+    y = jnp.dot(x, kernel)
+    return y, bias
+
+
+def column_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                           dtype=None) -> jax.Array:
+    """``x @ kernel + bias`` with the kernel split by output columns over the tensor axis.
+
+    Args:
+      x: ``(..., in)``, replicated over the tensor axis.
+      kernel: ``(in, out)`` sharded ``P(None, tensor)`` under ``jit``; inside
+        ``shard_map`` this device's ``(in, out / tensor)`` shard.
+      bias: ``(out,)`` sharded ``P(tensor)`` (inside ``shard_map``: ``(out / tensor,)``), or None.
+      dtype: the compute dtype (None: promote x, kernel and bias, as ``nnx.Linear``).
+
+    Returns:
+      ``(..., out)`` sharded on the last dim over the tensor axis (inside ``shard_map``:
+      this device's ``(..., out / tensor)`` slice). No collective in the forward pass.
+    """
+    y, bias = _linear(x, kernel, bias, dtype)
+    return y if bias is None else y + bias
+
+
+def row_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                        axis_name: str = TENSOR, dtype=None) -> jax.Array:
+    """``x @ kernel + bias`` with the kernel split by input rows over the tensor axis.
+
+    Args:
+      x: ``(..., in)`` sharded on the last dim over ``axis_name`` (a column-parallel
+        output); inside ``shard_map`` this device's ``(..., in / tensor)`` slice.
+      kernel: ``(in, out)`` sharded ``P(tensor, None)``; inside ``shard_map`` this
+        device's ``(in / tensor, out)`` shard.
+      bias: ``(out,)`` replicated, added once after the reduction, or None.
+      axis_name: the tensor axis. Inside ``shard_map`` (where it is a manual axis) the
+        partial products are summed with ``psum`` over it; under ``jit`` the
+        partitioner inserts the same all-reduce.
+      dtype: the compute dtype (None: promote x, kernel and bias).
+
+    Returns:
+      ``(..., out)``, replicated over the tensor axis. One all-reduce of ``(..., out)``
+      in the forward pass, none in the backward pass.
+    """
+    y, bias = _linear(x, kernel, bias, dtype)
+    if bound_axis_size(axis_name) is not None:
+        y = jax.lax.psum(y, axis_name)
+    return y if bias is None else y + bias
+
+
+def _param(value, spec, mesh):
+    """A Param annotated with its partition spec; placed on ``mesh`` when one is given
+    or set (``jax.set_mesh``), else left where it was made."""
+    if mesh is not None:
+        return nnx.Param(value, out_sharding=spec, mesh=mesh)
+    if not jax.sharding.get_abstract_mesh().empty:
+        return nnx.Param(value, out_sharding=spec)
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+def _check_features(owner: str, name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_input(owner: str, x, width: int, what: str):
+    if x.ndim < 1 or x.shape[-1] != width:
+        raise ValueError(f"{owner}: x must have shape (..., {width}) ({what}), got {tuple(x.shape)}")
+
+
+def _local_width(owner: str, axis_name: str, full: int, local: int, param: str, dim: str) -> int:
+    """The tensor-axis size when ``local`` is ``full`` split over it inside ``shard_map``, 1 otherwise."""
+    size = bound_axis_size(axis_name)
+    if size is None:
+        if local != full:
+            raise ValueError(f"{owner}: {param} has {dim} {local}, expected {full} outside shard_map")
+        return 1
+    if full % size or local * size != full:
+        raise ValueError(f"{owner}: inside shard_map over {axis_name!r} (size {size}) {param} must be this "
+                         f"device's shard with {dim} {full} / {size}, got {local}; pass the parameters with "
+                         f"the specs of nnx.get_partition_spec(nnx.state(module)), and make {dim} "
+                         f"{full} a multiple of the axis size")
+    return size
+
+
+class ColumnParallelLinear(nnx.Module):
+    """A linear layer whose ``(in_features, out_features)`` kernel is split by columns over the tensor axis.
+
+    Params: ``kernel`` ``(in_features, out_features)`` partitioned ``(None, tensor_axis)``;
+    ``bias`` ``(out_features,)`` partitioned ``(tensor_axis,)`` (when ``use_bias``). Made
+    as ``nnx.Linear`` makes them (same initialisers, same values for the same key), so a
+    model with these layers matches its unsplit twin.
+
+    ``__call__(x)``: x ``(..., in_features)`` replicated over the tensor axis; returns
+    ``(..., out_features)`` sharded on the last dim over the tensor axis (inside
+    ``shard_map``: the local ``(..., out_features / tensor)`` slice). See
+    `column_parallel_linear`.
+
+    Args:
+      mesh: when given, the parameters are created sharded on it; otherwise on the mesh
+        set by ``jax.set_mesh`` if any, else unplaced (the annotation is kept, so
+        ``jax.device_put(state, shardings)`` places them later).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 tensor_axis: str = TENSOR, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=_default_kernel_init, bias_init=_default_bias_init,
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+        owner = "ColumnParallelLinear"
+        self.in_features = _check_features(owner, "in_features", in_features)
+        self.out_features = _check_features(owner, "out_features", out_features)
+        self.tensor_axis, self.dtype, self.use_bias = tensor_axis, dtype, bool(use_bias)
+        key = rngs.params()
+        self.kernel = _param(kernel_init(key, (in_features, out_features), param_dtype), (None, tensor_axis), mesh)
+        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), (tensor_axis,), mesh)
+                     if self.use_bias else nnx.data(None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        owner = "ColumnParallelLinear"
+        kernel = self.kernel[...]
+        _check_input(owner, x, self.in_features, "in_features")
+        _local_width(owner, self.tensor_axis, self.out_features, kernel.shape[1], "kernel", "out_features")
+        bias = None if self.bias is None else self.bias[...]
+        return column_parallel_linear(x, kernel, bias, dtype=self.dtype)
+
+
+class RowParallelLinear(nnx.Module):
+    """A linear layer whose ``(in_features, out_features)`` kernel is split by rows over the tensor axis.
+
+    Params: ``kernel`` ``(in_features, out_features)`` partitioned ``(tensor_axis, None)``;
+    ``bias`` ``(out_features,)`` replicated (partition spec ``(None,)``), added once
+    after the reduction. Made as ``nnx.Linear`` makes them.
+
+    ``__call__(x)``: x ``(..., in_features)`` sharded on the last dim over the tensor axis
+    (a `ColumnParallelLinear` output; inside ``shard_map`` the local
+    ``(..., in_features / tensor)`` slice); returns ``(..., out_features)`` replicated
+    over the tensor axis, after one all-reduce (``psum`` inside ``shard_map``). See
+    `row_parallel_linear`. ``mesh`` as for `ColumnParallelLinear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 tensor_axis: str = TENSOR, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=_default_kernel_init, bias_init=_default_bias_init,
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+        owner = "RowParallelLinear"
+        self.in_features = _check_features(owner, "in_features", in_features)
+        self.out_features = _check_features(owner, "out_features", out_features)
+        self.tensor_axis, self.dtype, self.use_bias = tensor_axis, dtype, bool(use_bias)
+        key = rngs.params()
+        self.kernel = _param(kernel_init(key, (in_features, out_features), param_dtype), (tensor_axis, None), mesh)
+        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), (None,), mesh)
+                     if self.use_bias else nnx.data(None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        owner = "RowParallelLinear"
+        kernel = self.kernel[...]
+        split = _local_width(owner, self.tensor_axis, self.in_features, kernel.shape[0], "kernel", "in_features")
+        _check_input(owner, x, self.in_features // split, "in_features, or its shard inside shard_map")
+        bias = None if self.bias is None else self.bias[...]
+        return row_parallel_linear(x, kernel, bias, axis_name=self.tensor_axis, dtype=self.dtype)

@@ -1,0 +1,138 @@
+"""jax_ls2.parallel.initialize_distributed: the settings it reads, and two real processes
+on localhost (CPU devices, gloo collectives) computing one jitted sum over a shared mesh."""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from jax_ls2 import parallel
+from jax_ls2.parallel import distributed
+
+_ALL_VARS = (distributed.ENV_COORDINATOR_ADDRESS, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+             *distributed.CLUSTER_PROCESS_COUNTS)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """A clean environment, and jax.distributed.initialize replaced by a recorder."""
+    for var in _ALL_VARS:
+        monkeypatch.delenv(var, raising=False)
+    made = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: made.append(args))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    return made
+
+
+def test_single_process_is_a_no_op(calls, monkeypatch):
+    assert parallel.initialize_distributed() is False
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert parallel.initialize_distributed() is False
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert parallel.initialize_distributed(num_processes=1, process_id=0) is False
+    assert calls == []
+
+
+def test_settings_come_from_the_environment(calls, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert parallel.initialize_distributed() is True
+    assert calls == [("10.0.0.1:1234", 4, 3)]
+
+
+def test_arguments_override_the_environment(calls, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert parallel.initialize_distributed("host:99", 2, 0) is True
+    assert calls == [("host:99", 2, 0)]
+
+
+def test_a_scheduler_job_is_left_to_jax_cluster_detection(calls, monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert parallel.initialize_distributed() is True
+    assert calls == [(None, None, None)]
+
+
+def test_already_initialised_returns_true_without_a_second_call(calls, monkeypatch):
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    assert parallel.initialize_distributed("host:1", 2, 0) is True
+    assert calls == []
+
+
+@pytest.mark.parametrize("env, kwargs, words", [
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, {}, ["2 processes need JAX_COORDINATOR_ADDRESS"]),
+    ({"JAX_NUM_PROCESSES": "2"}, {"coordinator_address": "h:1"}, ["2 processes need JAX_PROCESS_ID"]),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"}, {}, ["set JAX_NUM_PROCESSES"]),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "h:1"}, {"process_id": 2}, ["process_id must be in [0, 2)"]),
+    ({"JAX_NUM_PROCESSES": "two"}, {}, ["num_processes (JAX_NUM_PROCESSES)", "'two'"]),
+    ({"JAX_NUM_PROCESSES": "0"}, {}, ["num_processes (JAX_NUM_PROCESSES) must be an integer >= 1, got 0"]),
+    ({"JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "1"}, {}, ["process_id must be 0 in a single process"]),
+    ({}, {"cpu_collectives": "nccl"}, ["cpu_collectives must be one of ('gloo', 'mpi')", "'nccl'"]),
+])
+def test_incomplete_or_bad_settings(calls, monkeypatch, env, kwargs, words):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match="initialize_distributed") as info:
+        parallel.initialize_distributed(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+    assert calls == []
+
+
+_WORKER = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_ls2 import parallel
+    assert parallel.initialize_distributed(cpu_collectives="gloo") is True
+    assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+    mesh = parallel.make_mesh("data=2,tensor=2")
+    # each tensor group (the innermost axis) lies within one process
+    for group in mesh.devices.reshape(-1, 2):
+        assert len({d.process_index for d in group}) == 1, mesh.devices
+    whole = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) ** 1.5
+    x = jax.make_array_from_callback(whole.shape, NamedSharding(mesh, P("data", "tensor")), lambda i: whole[i])
+    total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
+    print("RESULT", jax.process_index(), repr(float(total)), repr(float(np.sum(whole * whole))))
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_sum_over_one_mesh():
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in _ALL_VARS}
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = {}
+    for rc, out, err in outs:
+        assert rc == 0, err[-3000:]
+        for line in out.splitlines():
+            if line.startswith("RESULT"):
+                _, index, got, want = line.split()
+                results[int(index)] = (float(got), float(want))
+    assert sorted(results) == [0, 1]
+    for got, want in results.values():
+        assert got == pytest.approx(want, rel=1e-6)
