@@ -120,6 +120,22 @@ def test_forward_hlo_has_exactly_one_all_reduce_over_tensor_groups(setup):
     assert "replica_groups=[2,4]<=[8]" in line
 
 
+def test_gradient_hlo_reduces_the_input_gradient_and_weight_shards_only(setup):
+    mesh, graphdef, _, _, sharded, x, cot = setup
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    grad = jax.jit(jax.grad(functools.partial(_loss, functools.partial(_apply, graphdef)), argnums=(0, 1)))
+    hlo = grad.lower(sharded, xs, cot).compile().as_text()
+    counts = _collectives(hlo)
+    assert counts["all-gather"] == 0 and counts["reduce-scatter"] == 0 and counts["all-to-all"] == 0, counts
+    reduces = [ln.split(" all-reduce(")[0] for ln in hlo.splitlines() if " all-reduce(" in ln]
+    # Megatron's backward: the input gradient summed over each tensor group ...
+    assert sum(f"f32[{BATCH // 2},{SEQ},{IN}]" in r for r in reduces) == 1, reduces
+    # ... and, over the data axis, weight gradients of this device's shard size, never whole
+    for whole in (f"f32[{IN},{HIDDEN}]", f"f32[{HIDDEN},{IN}]", f"f32[{HIDDEN}]"):
+        assert not any(whole in r for r in reduces), reduces
+    assert any(f"f32[{HIDDEN // TENSOR},{IN}]" in r or f"f32[{IN},{HIDDEN // TENSOR}]" in r for r in reduces)
+
+
 def _shard_map_apply(graphdef, mesh, specs):
     return jax.shard_map(functools.partial(_apply, graphdef), mesh=mesh, in_specs=(specs, P("data")),
                          out_specs=P("data"))
