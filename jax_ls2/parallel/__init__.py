@@ -7,15 +7,17 @@ and Megatron tensor-parallel building blocks.
 processes run. `ColumnParallelLinear` / `RowParallelLinear` (and their functional forms)
 split GEMMs over the tensor axis, with their parameters annotated for
 ``nnx.get_partition_spec``; they work under sharded ``jit`` and inside ``shard_map``.
-`vocab_parallel_cross_entropy` is ``ops.cross_entropy`` on logits split by vocabulary,
-inside ``shard_map``, never gathering them.
+`VocabParallelEmbed` splits the embedding table by vocabulary (its ``attend`` is the tied
+output head), and `vocab_parallel_cross_entropy` is ``ops.cross_entropy`` on logits split
+by vocabulary, inside ``shard_map``, never gathering them.
 """
 from jax_ls2.parallel.cross_entropy import vocab_parallel_cross_entropy
 from jax_ls2.parallel.distributed import initialize_distributed
+from jax_ls2.parallel.embedding import VocabParallelEmbed, vocab_parallel_embed
 from jax_ls2.parallel.mesh import AXES, DATA, PIPE, SEQ, TENSOR, make_mesh, parse_mesh_spec
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                                      row_parallel_linear)
 
 __all__ = ["AXES", "DATA", "PIPE", "SEQ", "TENSOR", "ColumnParallelLinear", "RowParallelLinear",
-           "column_parallel_linear", "initialize_distributed", "make_mesh", "parse_mesh_spec",
-           "row_parallel_linear", "vocab_parallel_cross_entropy"]
+           "VocabParallelEmbed", "column_parallel_linear", "initialize_distributed", "make_mesh", "parse_mesh_spec",
+           "row_parallel_linear", "vocab_parallel_cross_entropy", "vocab_parallel_embed"]
