@@ -1,5 +1,6 @@
 """jax_ls2.parallel.initialize_distributed: the settings it reads, and two real processes
-on localhost (CPU devices, gloo collectives) computing one jitted sum over a shared mesh."""
+on localhost (CPU devices, gloo collectives) computing a jitted sum and a tensor-parallel
+MLP's loss and gradients over one mesh spanning both."""
 import os
 import socket
 import subprocess
@@ -98,6 +99,27 @@ _WORKER = textwrap.dedent("""
     x = jax.make_array_from_callback(whole.shape, NamedSharding(mesh, P("data", "tensor")), lambda i: whole[i])
     total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
     print("RESULT", jax.process_index(), repr(float(total)), repr(float(np.sum(whole * whole))))
+
+    # a column -> tanh -> row MLP split over the tensor axis across the two processes
+    from flax import nnx
+    fc1 = parallel.ColumnParallelLinear(6, 8, rngs=nnx.Rngs(0))
+    fc2 = parallel.RowParallelLinear(8, 6, rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split((fc1, fc2))
+    def loss(st, a):
+        first, second = nnx.merge(graphdef, st)
+        return jnp.sum(second(jnp.tanh(first(a))) ** 2)
+    inputs = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, jnp.asarray(inputs))
+    def place(value, spec):
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda i: host[i])
+    split_state = jax.tree.map(place, state, nnx.get_partition_spec(state))
+    xs = place(inputs, P("data"))
+    replicated = NamedSharding(mesh, P())
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), out_shardings=replicated)(split_state, xs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g.addressable_data(0)), np.asarray(w), rtol=1e-5, atol=1e-6)
+    print("MLP", jax.process_index(), "matches")
     jax.distributed.shutdown()
 """)
 
@@ -108,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_sum_over_one_mesh():
+def test_two_processes_compute_over_one_mesh():
     port = _free_port()
     procs = []
     for i in range(2):
@@ -134,5 +156,6 @@ def test_two_processes_sum_over_one_mesh():
                 _, index, got, want = line.split()
                 results[int(index)] = (float(got), float(want))
     assert sorted(results) == [0, 1]
+    assert all(f"MLP {i} matches" in out for i, (_, out, _) in enumerate(outs))
     for got, want in results.values():
         assert got == pytest.approx(want, rel=1e-6)
