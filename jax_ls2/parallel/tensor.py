@@ -18,6 +18,15 @@ Two ways to run them:
   an explicit ``psum`` over the tensor axis; the column layer's input gradient is summed
   by the transpose of ``shard_map``'s replicated-to-varying cast (keep ``check_vma=True``,
   the default, for that).
+
+Megatron sequence parallelism (``sequence_dim`` set): outside the tensor-parallel region
+activations are split along the sequence over the same tensor axis. The column-parallel
+layer all-gathers its input along the sequence first, and the row-parallel layer
+reduce-scatters its output along the sequence instead of all-reducing it, so a
+column -> row pair costs one all-gather and one reduce-scatter each way. Inside
+``shard_map`` these are ``all_gather`` / ``psum_scatter``; under ``jit`` they are sharding
+constraints (a mesh must be set with ``jax.set_mesh``), and the partitioner chooses the
+collectives (on the CPU it makes the reduce-scatter an all-reduce and a slice).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
+from jax.sharding import PartitionSpec as P
 
 from jax_ls2.parallel.mesh import TENSOR
 
@@ -40,6 +50,28 @@ def bound_axis_size(axis_name: str) -> int | None:
         return None
 
 
+def _sequence_dim(op: str, x, sequence_dim: int | None) -> int | None:
+    if sequence_dim is None:
+        return None
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+        raise TypeError(f"{op}: sequence_dim must be an int or None, got {sequence_dim!r}")
+    if not -x.ndim <= sequence_dim < x.ndim or sequence_dim % x.ndim == x.ndim - 1:
+        raise ValueError(f"{op}: sequence_dim must name a dim of x other than the last (features), x has shape "
+                         f"{tuple(x.shape)}, got {sequence_dim}")
+    return sequence_dim % x.ndim
+
+
+def _constrain(op: str, x, seq: int, axis_name: str | None):
+    """``x`` with dim ``seq`` split over ``axis_name`` (None: whole), the features whole and
+    every other dim left to the partitioner; needs a mesh set with ``jax.set_mesh``."""
+    if jax.sharding.get_abstract_mesh().empty:
+        raise ValueError(f"{op}: sequence parallelism under jit needs the mesh set with jax.set_mesh(mesh) "
+                         f"(or run inside shard_map)")
+    spec = [P.UNCONSTRAINED] * x.ndim
+    spec[seq], spec[-1] = axis_name, None
+    return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
 def _linear(x, kernel, bias, dtype):
     x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
     y = jnp.dot(x, kernel)
@@ -47,26 +79,39 @@ def _linear(x, kernel, bias, dtype):
 
 
 def column_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-                           dtype=None) -> jax.Array:
+                           axis_name: str = TENSOR, sequence_dim: int | None = None, dtype=None) -> jax.Array:
     """``x @ kernel + bias`` with the kernel split by output columns over the tensor axis.
 
     Args:
-      x: ``(..., in)``, replicated over the tensor axis.
+      x: ``(..., in)``, replicated over the tensor axis; with ``sequence_dim``, split
+        along that dim over it instead (inside ``shard_map``: this device's
+        ``seq / tensor`` positions).
       kernel: ``(in, out)`` sharded ``P(None, tensor)`` under ``jit``; inside
         ``shard_map`` this device's ``(in, out / tensor)`` shard.
       bias: ``(out,)`` sharded ``P(tensor)`` (inside ``shard_map``: ``(out / tensor,)``), or None.
+      axis_name: the tensor axis.
+      sequence_dim: the sequence dim of x for Megatron sequence parallelism (e.g. 1
+        for ``(batch, seq, in)``), or None. x is then all-gathered along it first.
       dtype: the compute dtype (None: promote x, kernel and bias, as ``nnx.Linear``).
 
     Returns:
-      ``(..., out)`` sharded on the last dim over the tensor axis (inside ``shard_map``:
-      this device's ``(..., out / tensor)`` slice). No collective in the forward pass.
+      ``(..., out)`` with every position, sharded on the last dim over the tensor axis
+      (inside ``shard_map``: this device's ``(..., out / tensor)`` slice). No collective
+      in the forward pass, or the one all-gather of x with ``sequence_dim``.
     """
+    op = "column_parallel_linear"
+    seq = _sequence_dim(op, x, sequence_dim)
+    if seq is not None:
+        if bound_axis_size(axis_name) is not None:
+            x = jax.lax.all_gather(x, axis_name, axis=seq, tiled=True)
+        else:
+            x = _constrain(op, x, seq, None)
     y, bias = _linear(x, kernel, bias, dtype)
     return y if bias is None else y + bias
 
 
 def row_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-                        axis_name: str = TENSOR, dtype=None) -> jax.Array:
+                        axis_name: str = TENSOR, sequence_dim: int | None = None, dtype=None) -> jax.Array:
     """``x @ kernel + bias`` with the kernel split by input rows over the tensor axis.
 
     Args:
@@ -78,15 +123,24 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
       axis_name: the tensor axis. Inside ``shard_map`` (where it is a manual axis) the
         partial products are summed with ``psum`` over it; under ``jit`` the
         partitioner inserts the same all-reduce.
+      sequence_dim: for Megatron sequence parallelism, the sequence dim of x (and of the
+        output), or None. The partial products are then reduce-scattered along it
+        (``psum_scatter`` inside ``shard_map``) instead of all-reduced.
       dtype: the compute dtype (None: promote x, kernel and bias).
 
     Returns:
-      ``(..., out)``, replicated over the tensor axis. One all-reduce of ``(..., out)``
-      in the forward pass, none in the backward pass.
+      ``(..., out)``, replicated over the tensor axis (one all-reduce of ``(..., out)``
+      in the forward pass, none in the backward pass); with ``sequence_dim``, split
+      along it over the tensor axis (one reduce-scatter forward, one all-gather backward).
     """
+    op = "row_parallel_linear"
+    seq = _sequence_dim(op, x, sequence_dim)
     y, bias = _linear(x, kernel, bias, dtype)
     if bound_axis_size(axis_name) is not None:
-        y = jax.lax.psum(y, axis_name)
+        y = (jax.lax.psum(y, axis_name) if seq is None
+             else jax.lax.psum_scatter(y, axis_name, scatter_dimension=seq, tiled=True))
+    elif seq is not None:
+        y = _constrain(op, y, seq, axis_name)
     return y if bias is None else y + bias
 
 
@@ -137,7 +191,8 @@ class ColumnParallelLinear(nnx.Module):
     ``__call__(x)``: x ``(..., in_features)`` replicated over the tensor axis; returns
     ``(..., out_features)`` sharded on the last dim over the tensor axis (inside
     ``shard_map``: the local ``(..., out_features / tensor)`` slice). See
-    `column_parallel_linear`.
+    `column_parallel_linear`. With ``sequence_dim`` (Megatron sequence parallelism), x
+    comes split along that dim over the tensor axis and is all-gathered first.
 
     Args:
       mesh: when given, the parameters are created sharded on it; otherwise on the mesh
@@ -148,11 +203,12 @@ class ColumnParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                  tensor_axis: str = TENSOR, dtype=None, param_dtype=jnp.float32,
                  kernel_init=_default_kernel_init, bias_init=_default_bias_init,
-                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+                 sequence_dim: int | None = None, mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         owner = "ColumnParallelLinear"
         self.in_features = _check_features(owner, "in_features", in_features)
         self.out_features = _check_features(owner, "out_features", out_features)
         self.tensor_axis, self.dtype, self.use_bias = tensor_axis, dtype, bool(use_bias)
+        self.sequence_dim = sequence_dim
         key = rngs.params()
         self.kernel = _param(kernel_init(key, (in_features, out_features), param_dtype), (None, tensor_axis), mesh)
         self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), (tensor_axis,), mesh)
@@ -164,7 +220,8 @@ class ColumnParallelLinear(nnx.Module):
         _check_input(owner, x, self.in_features, "in_features")
         _local_width(owner, self.tensor_axis, self.out_features, kernel.shape[1], "kernel", "out_features")
         bias = None if self.bias is None else self.bias[...]
-        return column_parallel_linear(x, kernel, bias, dtype=self.dtype)
+        return column_parallel_linear(x, kernel, bias, axis_name=self.tensor_axis, sequence_dim=self.sequence_dim,
+                                      dtype=self.dtype)
 
 
 class RowParallelLinear(nnx.Module):
@@ -177,18 +234,20 @@ class RowParallelLinear(nnx.Module):
     ``__call__(x)``: x ``(..., in_features)`` sharded on the last dim over the tensor axis
     (a `ColumnParallelLinear` output; inside ``shard_map`` the local
     ``(..., in_features / tensor)`` slice); returns ``(..., out_features)`` replicated
-    over the tensor axis, after one all-reduce (``psum`` inside ``shard_map``). See
-    `row_parallel_linear`. ``mesh`` as for `ColumnParallelLinear`.
+    over the tensor axis, after one all-reduce (``psum`` inside ``shard_map``); with
+    ``sequence_dim``, split along that dim over the tensor axis after one reduce-scatter.
+    See `row_parallel_linear`. ``mesh`` as for `ColumnParallelLinear`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                  tensor_axis: str = TENSOR, dtype=None, param_dtype=jnp.float32,
                  kernel_init=_default_kernel_init, bias_init=_default_bias_init,
-                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+                 sequence_dim: int | None = None, mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         owner = "RowParallelLinear"
         self.in_features = _check_features(owner, "in_features", in_features)
         self.out_features = _check_features(owner, "out_features", out_features)
         self.tensor_axis, self.dtype, self.use_bias = tensor_axis, dtype, bool(use_bias)
+        self.sequence_dim = sequence_dim
         key = rngs.params()
         self.kernel = _param(kernel_init(key, (in_features, out_features), param_dtype), (tensor_axis, None), mesh)
         self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), (None,), mesh)
@@ -200,4 +259,5 @@ class RowParallelLinear(nnx.Module):
         split = _local_width(owner, self.tensor_axis, self.in_features, kernel.shape[0], "kernel", "in_features")
         _check_input(owner, x, self.in_features // split, "in_features, or its shard inside shard_map")
         bias = None if self.bias is None else self.bias[...]
-        return row_parallel_linear(x, kernel, bias, axis_name=self.tensor_axis, dtype=self.dtype)
+        return row_parallel_linear(x, kernel, bias, axis_name=self.tensor_axis, sequence_dim=self.sequence_dim,
+                                   dtype=self.dtype)
