@@ -18,8 +18,18 @@ the flat buffer; `moments(state, params)` gives params-shaped views (copies).
 that derives state shardings from the params' (``transform_non_params`` for the rest)
 gives the flat buffers its non-params sharding, replicated for instance.
 Parameters sharded over explicit mesh axes (``AxisType.Explicit``) are refused with a
-message; Auto meshes and ``shard_map`` work. float64 and complex leaves are refused
-(TypeError): the kernels take float32, float16 and bfloat16.
+message; Auto meshes and ``shard_map`` work.
+
+The kernel takes float32, float16 and bfloat16 leaves. A params tree holding any
+float64 (under x64), complex, integer or bool leaf is updated as a whole by optax's
+own per-leaf math (optax's numbers and dtypes, nothing cast); its state keeps ``mu``
+and ``nu`` as trees like params in optax's dtypes, and refuses master weights and
+stochastic rounding. Other dtypes (float8, ...) raise a TypeError.
+
+Values that cannot work raise a ValueError at construction (a non-finite or negative
+learning rate or weight decay, loss-scaling parameters such as a growth factor <= 1);
+a traced learning rate or weight decay (a schedule, ``inject_hyperparams``) that is
+negative or not finite raises when the step runs, naming the step.
 """
 from jax_ls2.optim._options import PrecisionOptions
 from jax_ls2.optim._transformation import FlatGrads, FusedGradientTransformation, FusedState

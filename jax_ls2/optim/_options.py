@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Any, Optional, Union
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 MOMENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -75,12 +78,27 @@ class PrecisionOptions:
         return bool(self.skip_nonfinite) or self.dynamic
 
     def check(self, fn: str) -> None:
+        """Raise on a value that cannot work (numbers known now; traced values pass)."""
         if self.moment_dtype is not None and jnp.dtype(self.moment_dtype) not in MOMENT_DTYPES:
             raise TypeError(f"{fn}: moment_dtype must be float32 or bfloat16, got {jnp.dtype(self.moment_dtype)}")
         if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
             raise ValueError(f"{fn}: loss_scale must be None, a number or 'dynamic', got {self.loss_scale!r}")
-        if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
-            raise ValueError(f"{fn}: loss_scale must be positive, got {self.loss_scale}")
+        if not isinstance(self.loss_scale, str):
+            require(fn, "loss_scale", self.loss_scale, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+        require(fn, "max_grad_norm", self.max_grad_norm, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+        # The dynamic-scaling parameters are checked whatever loss_scale is: a value
+        # that cannot work is a mistake even before it is used.
+        require(fn, "initial_loss_scale", self.initial_loss_scale, "a finite number > 0",
+                lambda v: math.isfinite(v) and v > 0)
+        require(fn, "growth_factor", self.growth_factor, "a finite number > 1", lambda v: math.isfinite(v) and v > 1)
+        require(fn, "backoff_factor", self.backoff_factor, "a number in (0, 1)", lambda v: 0 < v < 1)
+        require(fn, "growth_interval", self.growth_interval, "an integer >= 1", lambda v: v.is_integer() and v >= 1)
+        require(fn, "min_loss_scale", self.min_loss_scale, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+        initial = concrete_number(self.initial_loss_scale)
+        if initial is not None:
+            # A floor above the start would raise the scale on an overflow.
+            require(fn, "min_loss_scale", self.min_loss_scale, f"a number <= initial_loss_scale ({initial})",
+                    lambda v: v <= initial)
 
     def with_moment_dtype(self, fn: str, argument: str, dtype) -> "PrecisionOptions":
         """These options with optax's `argument` (``mu_dtype`` / ``accumulator_dtype``)
@@ -97,6 +115,27 @@ class PrecisionOptions:
             raise ValueError(f"{fn}: mu_dtype={dt} alone is not supported (the fused kernel stores mu and nu "
                              f"in one dtype); pass moment_dtype=jnp.bfloat16 for bfloat16 mu and nu")
         return dataclasses.replace(self, moment_dtype=dt)
+
+
+def concrete_number(x) -> Optional[float]:
+    """`x` as a Python float when its value is known now (a Python or NumPy number, a
+    concrete one-element array); None for None and for traced values."""
+    if x is None or isinstance(x, (bool, np.bool_)) or isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, (int, float, np.number)):
+        return float(x)
+    if isinstance(x, (np.ndarray, jax.Array)) and x.size == 1 and jnp.issubdtype(x.dtype, jnp.number) \
+            and not jnp.iscomplexobj(x):
+        return float(np.asarray(x).reshape(()))
+    return None
+
+
+def require(fn: str, argument: str, value, expected: str, ok) -> None:
+    """ValueError ``"{fn}: {argument} must be {expected}, got {value}"`` when `value` is
+    known now and ``ok(float value)`` is false (NaN fails every comparison)."""
+    v = concrete_number(value)
+    if v is not None and not ok(v):
+        raise ValueError(f"{fn}: {argument} must be {expected}, got {value}")
 
 
 def precision_keywords(factory):

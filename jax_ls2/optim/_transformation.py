@@ -4,16 +4,18 @@ standard (updates) and fused (new params) steps."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax_ls2.optim import _abi as A
-from jax_ls2.optim import _ffi_calls
-from jax_ls2.optim._layout import float_leaves, flatten, layout_of
-from jax_ls2.optim._options import PrecisionOptions
+from jax_ls2.optim import _ffi_calls, _per_leaf
+from jax_ls2.optim._layout import flatten, layout_of
+from jax_ls2.optim._options import PrecisionOptions, concrete_number, require
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 
@@ -22,7 +24,9 @@ class FusedState(NamedTuple):
     """State of a fused optimizer.
 
     count:       () int32, steps applied (a skipped step is not counted).
-    mu, nu:      (total,) float32 or bfloat16 flat moments (``None`` when unused).
+    mu, nu:      (total,) float32 or bfloat16 flat moments (``None`` when unused); for
+                 params holding a float64, complex, integer or bool leaf, trees like
+                 params in optax's dtypes instead (the per-leaf path, ``_per_leaf.py``).
     master:      (total,) float32 flat master weights, or ``None``.
     rng:         (2,) uint32 key words of the stochastic rounding.
     loss_scale:  () float32, the factor the loss is multiplied by (1 without scaling).
@@ -74,8 +78,42 @@ def _check(cfg: Config) -> None:
     cfg.options.check(fn)
     if cfg.mask is not None and cfg.weight_decay is None:
         raise ValueError(f"{fn}: mask given without weight_decay")
-    if isinstance(cfg.learning_rate, (int, float)) and not cfg.learning_rate >= 0:
-        raise ValueError(f"{fn}: learning_rate must be >= 0, got {cfg.learning_rate}")
+    # Numbers known now; traced values are checked when the step runs (`_guard_traced`).
+    for argument in ("learning_rate", "weight_decay"):
+        require(fn, argument, getattr(cfg, argument), NON_NEGATIVE, _non_negative)
+
+
+NON_NEGATIVE = "a finite number >= 0"
+
+
+def _non_negative(v: float) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _raise_if_bad(fn: str, argument: str, dtype, value, count) -> None:
+    """Host side of the run-time check (checks again: under ``vmap`` the cond becomes a
+    select and this runs for good values too). `value` is shown in its traced `dtype`."""
+    v = np.asarray(value).astype(dtype)
+    if not np.all(np.isfinite(v) & (v >= 0)):
+        raise ValueError(f"{fn}: {argument} must be {NON_NEGATIVE}, got {v!s} at step {np.asarray(count)!s}")
+
+
+def _guard_traced(cfg: Config, lr, count_inc) -> None:
+    """A traced learning rate (a schedule's value, ``inject_hyperparams``) or weight
+    decay that is negative or not finite raises a ValueError when the step runs,
+    naming the optimizer, the step and the value. The check is a ``lax.cond`` on the
+    scalar whose branch holds the callback: Python runs only for a bad value. An
+    unconditional ``jax.debug.callback`` would copy the scalar to the host and take the
+    GIL at every step, stalling the GPU stream each time; a value known now was
+    checked by `_check` and adds nothing to the program."""
+    for argument, value in (("learning_rate", lr), ("weight_decay", cfg.weight_decay)):
+        if value is None or not callable(getattr(cfg, argument)) and concrete_number(value) is not None:
+            continue
+        v = jnp.asarray(value)
+        bad = ~(jnp.isfinite(v) & (v >= 0))
+        callback = functools.partial(_raise_if_bad, cfg.name, argument, v.dtype)
+        jax.lax.cond(jnp.any(bad), lambda v, c: jax.debug.callback(callback, v, c), lambda v, c: None,
+                     v, count_inc)
 
 
 def _flags(cfg: Config, *, apply: bool, flat: bool) -> int:
@@ -129,16 +167,23 @@ def _initial_scale(options: PrecisionOptions):
 def init_state(cfg: Config, params) -> FusedState:
     _check(cfg)
     o = cfg.options
-    leaves = jax.tree.leaves(params)
-    leaves = float_leaves(cfg.name, "params", leaves)
-    layout = layout_of(leaves)
-    zeros = lambda: jnp.zeros((layout.total,), o.moment)
+    leaves, treedef = jax.tree.flatten(params)
+    per_leaf = _per_leaf.takes_per_leaf(_per_leaf.as_arrays(leaves))
+    leaves = _per_leaf.checked_leaves(cfg.name, "params", leaves, per_leaf)
+    if per_leaf:
+        _per_leaf.refuse_kernel_only_options(cfg.name, o, leaves)
+        mu, nu = (None if m is None else jax.tree.unflatten(treedef, m)
+                  for m in _per_leaf.init_moments(cfg, leaves))
+    else:
+        total = layout_of(leaves).total
+        mu = jnp.zeros((total,), o.moment) if cfg.has_mu else None
+        nu = jnp.zeros((total,), o.moment) if cfg.has_nu else None
     seed = jnp.asarray(o.seed).astype(jnp.uint32).reshape(())
     return FusedState(
         count=jnp.zeros((), jnp.int32),
-        mu=zeros() if cfg.has_mu else None,
-        nu=zeros() if cfg.has_nu else None,
-        master=flatten(leaves, layout, jnp.float32) if o.master_weights else None,
+        mu=mu,
+        nu=nu,
+        master=flatten(leaves, layout_of(leaves), jnp.float32) if o.master_weights else None,
         rng=jnp.stack([seed, jnp.uint32(0x9E3779B9)]),
         loss_scale=_initial_scale(o),
         good_steps=jnp.zeros((), jnp.int32),
@@ -155,8 +200,12 @@ def _bias_correction(decay, count):
     return 1 - decay ** count
 
 
-def _hyper(cfg: Config, state: FusedState, count_inc) -> jax.Array:
-    lr = cfg.learning_rate(state.count) if callable(cfg.learning_rate) else cfg.learning_rate
+def _learning_rate(cfg: Config, state: FusedState):
+    """The learning rate of this step (a schedule is read at the state's count, as optax's)."""
+    return cfg.learning_rate(state.count) if callable(cfg.learning_rate) else cfg.learning_rate
+
+
+def _hyper(cfg: Config, state: FusedState, lr, count_inc) -> jax.Array:
     b1 = cfg.b1 if cfg.b1 is not None else 0.0
     b2 = cfg.b2 if cfg.b2 is not None else 0.0
     if cfg.algo == A.ADAM:
@@ -222,44 +271,74 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     if params is None:
         params = _params_stand_in(cfg, grads, apply=apply)
     p_leaves, treedef = jax.tree.flatten(params)
-    p_leaves = float_leaves(fn, "params", p_leaves)
-    layout = layout_of(p_leaves)
     flat = isinstance(grads, FlatGrads)
+    g_leaves, g_def = ([grads.buffer], None) if flat else jax.tree.flatten(grads)
+    per_leaf = _per_leaf.takes_per_leaf(_per_leaf.as_arrays(p_leaves), _per_leaf.as_arrays(g_leaves))
+    p_leaves = _per_leaf.checked_leaves(fn, "params", p_leaves, per_leaf)
+    layout = layout_of(p_leaves)
     if flat:
-        g_leaves = [grads.buffer]
+        if per_leaf:
+            raise ValueError(f"{fn}: FlatGrads need params of dtype {_per_leaf.KERNEL_DTYPES_TEXT} (the fused "
+                             "kernel's path)")
         if grads.buffer.shape != (layout.total,) or grads.buffer.dtype != jnp.float32:
             raise ValueError(f"{fn}: FlatGrads buffer must be float32 of shape ({layout.total},), got "
                              f"{grads.buffer.dtype} {tuple(grads.buffer.shape)}")
     else:
-        g_leaves, g_def = jax.tree.flatten(grads)
         if g_def != treedef:
             raise ValueError(f"{fn}: grads must have the structure of params; got {g_def}, expected {treedef}")
-        g_leaves = float_leaves(fn, "grads", g_leaves)
+        g_leaves = _per_leaf.checked_leaves(fn, "grads", g_leaves, per_leaf)
         for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
             if tuple(g.shape) != tuple(p.shape):
                 raise ValueError(f"{fn}: grads leaf {i} must have shape {tuple(p.shape)}, got {tuple(g.shape)}")
-    for name, buf in (("mu", state.mu), ("nu", state.nu), ("master", state.master)):
-        if buf is not None and buf.shape != (layout.total,):
-            raise ValueError(f"{fn}: state.{name} must have shape ({layout.total},) for these params, "
-                             f"got {tuple(buf.shape)}")
+    moments = _state_moments(cfg, state, treedef, layout, per_leaf)
     count_inc = optax.safe_increment(state.count)
-    hp = _hyper(cfg, state, count_inc)
-    seed = jnp.concatenate([state.rng.astype(jnp.uint32),
-                            jnp.stack([count_inc.astype(jnp.uint32), jnp.uint32(0)])])
+    lr = _learning_rate(cfg, state)
+    _guard_traced(cfg, lr, count_inc)
+    decay = _decay_mask(cfg, params, len(p_leaves))
     flags = _flags(cfg, apply=apply, flat=flat)
-    outs, mu, nu, master, stats = _ffi_calls.fused_update(
-        g_leaves, p_leaves, state.mu, state.nu, state.master, hp, seed,
-        algo=cfg.algo, flags=flags, layout=layout, decay=_decay_mask(cfg, params, len(p_leaves)))
     checked = bool(flags & A.CHECK)
-    # Every mode reports whether the gradients were finite; only CHECK acts on it.
-    finite = stats[1] > 0
+    if per_leaf:
+        _per_leaf.refuse_kernel_only_options(fn, cfg.options, p_leaves)
+        outs, mu, nu, grad_norm, finite = _per_leaf.step(cfg, g_leaves, p_leaves, *moments, state, lr, decay,
+                                                         apply=apply, checked=checked)
+        mu, nu = (None if m is None else jax.tree.unflatten(treedef, m) for m in (mu, nu))
+        master = None
+    else:
+        hp = _hyper(cfg, state, lr, count_inc)
+        seed = jnp.concatenate([state.rng.astype(jnp.uint32),
+                                jnp.stack([count_inc.astype(jnp.uint32), jnp.uint32(0)])])
+        outs, mu, nu, master, stats = _ffi_calls.fused_update(
+            g_leaves, p_leaves, state.mu, state.nu, state.master, hp, seed,
+            algo=cfg.algo, flags=flags, layout=layout, decay=decay)
+        # Every mode reports whether the gradients were finite; only CHECK acts on it.
+        finite = stats[1] > 0
+        grad_norm = stats[0] if flags & (A.CHECK | A.CLIP) else state.grad_norm
     scale, good = _next_scale(cfg.options, state, finite)
     new_state = FusedState(
         count=jnp.where(finite, count_inc, state.count) if checked else count_inc,
         mu=mu, nu=nu, master=master, rng=state.rng, loss_scale=scale, good_steps=good,
-        grad_norm=stats[0] if flags & (A.CHECK | A.CLIP) else state.grad_norm,
-        finite=finite)
+        grad_norm=grad_norm, finite=finite)
     return jax.tree.unflatten(treedef, outs), new_state
+
+
+def _state_moments(cfg: Config, state: FusedState, treedef, layout, per_leaf: bool) -> tuple:
+    """(mu, nu) of `state` checked against the params: (total,) flat buffers on the
+    fused path (returned as they are), lists of params-shaped leaves on the per-leaf path."""
+    fn = cfg.name
+    if per_leaf:
+        out = []
+        for name, tree in (("mu", state.mu), ("nu", state.nu)):
+            leaves, tdef = jax.tree.flatten(tree)
+            if tree is not None and tdef != treedef:
+                raise ValueError(f"{fn}: state.{name} must be a tree like params for params with float64, complex, "
+                                 f"integer or bool leaves (made by init from such params), got {tdef}")
+            out.append(None if tree is None else leaves)
+        return tuple(out)
+    for name, buf in (("mu", state.mu), ("nu", state.nu), ("master", state.master)):
+        if buf is not None and getattr(buf, "shape", None) != (layout.total,):
+            raise ValueError(f"{fn}: state.{name} must have shape ({layout.total},) for these params, "
+                             f"got {getattr(buf, 'shape', type(buf).__name__)}")
+    return state.mu, state.nu
 
 
 class FusedUpdate:

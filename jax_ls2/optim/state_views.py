@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import jax
 
+from jax_ls2.optim import _per_leaf
 from jax_ls2.optim._layout import layout_of, unflatten
 from jax_ls2.optim.loss_scaling import find_state
 
@@ -26,9 +27,18 @@ class MomentsView(NamedTuple):
 
 def moments(opt_state, params) -> MomentsView:
     """The first and second moments and the master weights of the `FusedState` inside
-    `opt_state`, as trees like `params` (copies: writing to them changes nothing)."""
+    `opt_state`, as trees like `params` (copies of the flat buffers: writing to them
+    changes nothing; for params on the per-leaf path, the state's own trees)."""
     state = find_state(opt_state)
     leaves, treedef = jax.tree.flatten(params)
+    if _per_leaf.takes_per_leaf(_per_leaf.as_arrays(leaves)):
+        # The per-leaf path's state already holds trees like params (no master weights).
+        for name in ("mu", "nu"):
+            tree = getattr(state, name)
+            if tree is not None and jax.tree.structure(tree) != treedef:
+                raise ValueError(f"moments: state.{name} is not a tree like these params (which hold float64, "
+                                 f"complex, integer or bool leaves): {jax.tree.structure(tree)}")
+        return MomentsView(state.mu, state.nu, None)
     layout = layout_of(leaves)
     for name in ("mu", "nu", "master"):
         buf = getattr(state, name)

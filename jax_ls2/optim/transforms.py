@@ -41,8 +41,10 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     arguments in optax's order.
 
     Args:
-      learning_rate: float, schedule ``count -> lr`` or traced scalar.
-      b1, b2, eps, eps_root, weight_decay: as in optax (may be traced).
+      learning_rate: float, schedule ``count -> lr`` or traced scalar; finite and >= 0
+        (a number is checked here, a traced or scheduled value when the step runs).
+      b1, b2, eps, eps_root, weight_decay: as in optax (may be traced); weight_decay
+        finite and >= 0, checked as the learning rate is.
       mu_dtype: None or float32 (float32 moments), or bfloat16 together with
         ``moment_dtype=jnp.bfloat16`` (the kernel stores both moments in one dtype).
       mask: pytree of Python bools like params (or a callable params -> such a pytree):

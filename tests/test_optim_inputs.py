@@ -1,0 +1,264 @@
+"""jax_ls2.optim's inputs: values that cannot work are refused with a message naming
+the optimizer, the argument, what was expected and what came (at construction for
+numbers, at run time for traced learning rates); leaves optax takes (float64 under
+x64, complex, int, bool) go through optax's per-leaf math."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jax_ls2 import optim
+
+INF, NAN = float("inf"), float("nan")
+
+
+# ---------------------------------------------------------------- loss-scaling parameters
+@pytest.mark.parametrize("argument,value,expected", [
+    ("initial_loss_scale", 0.0, "a finite number > 0"),
+    ("initial_loss_scale", -4.0, "a finite number > 0"),
+    ("initial_loss_scale", INF, "a finite number > 0"),
+    ("initial_loss_scale", NAN, "a finite number > 0"),
+    ("growth_factor", 0.0, "a finite number > 1"),
+    ("growth_factor", 1.0, "a finite number > 1"),
+    ("growth_factor", INF, "a finite number > 1"),
+    ("backoff_factor", 0.0, r"a number in \(0, 1\)"),
+    ("backoff_factor", 1.0, r"a number in \(0, 1\)"),
+    ("backoff_factor", 2.0, r"a number in \(0, 1\)"),
+    ("backoff_factor", NAN, r"a number in \(0, 1\)"),
+    ("growth_interval", 0, "an integer >= 1"),
+    ("growth_interval", -3, "an integer >= 1"),
+    ("growth_interval", 2.5, "an integer >= 1"),
+    ("min_loss_scale", 0.0, "a finite number > 0"),
+    ("min_loss_scale", -1.0, "a finite number > 0"),
+    ("min_loss_scale", INF, "a finite number > 0"),
+    ("min_loss_scale", 2.0 ** 20, r"a number <= initial_loss_scale \(32768.0\)"),
+])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_dynamic_loss_scale_parameters_that_cannot_work_are_refused(name, argument, value, expected):
+    with pytest.raises(ValueError, match=rf"{name}: {argument} must be {expected}, got {value}"):
+        getattr(optim, name)(1e-3, loss_scale="dynamic", **{argument: value})
+
+
+@pytest.mark.parametrize("value", [INF, NAN, 0.0, -2.0])
+def test_static_loss_scale_must_be_finite_and_positive(value):
+    with pytest.raises(ValueError, match=rf"adamw: loss_scale must be a finite number > 0, got {value}"):
+        optim.adamw(1e-3, loss_scale=value)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, INF, NAN])
+def test_max_grad_norm_must_be_finite_and_positive(value):
+    with pytest.raises(ValueError, match=rf"sgd: max_grad_norm must be a finite number > 0, got {value}"):
+        optim.sgd(1e-3, max_grad_norm=value)
+
+
+def test_sound_loss_scale_parameters_are_taken():
+    tx = optim.adam(1e-3, loss_scale="dynamic", initial_loss_scale=8.0, growth_factor=1.5,
+                    backoff_factor=0.25, growth_interval=1, min_loss_scale=8.0)
+    assert float(tx.init({"a": jnp.ones(3)}).loss_scale) == 8.0
+
+
+# ---------------------------------------------------------------- constant learning rate and weight decay
+@pytest.mark.parametrize("make,argument,value", [
+    (lambda v: optim.adamw(v), "learning_rate", INF),
+    (lambda v: optim.adamw(v), "learning_rate", NAN),
+    (lambda v: optim.adamw(v), "learning_rate", -1e-3),
+    (lambda v: optim.adam(v), "learning_rate", -INF),
+    (lambda v: optim.sgd(v), "learning_rate", INF),
+    (lambda v: optim.adamw(v), "learning_rate", np.float32(INF)),
+    (lambda v: optim.adamw(v), "learning_rate", jnp.float32(-1.0)),
+    (lambda v: optim.adamw(1e-3, weight_decay=v), "weight_decay", INF),
+    (lambda v: optim.adamw(1e-3, weight_decay=v), "weight_decay", NAN),
+    (lambda v: optim.adamw(1e-3, weight_decay=v), "weight_decay", -0.1),
+    (lambda v: optim.sgd(1e-3, weight_decay=v), "weight_decay", INF),
+])
+def test_constant_learning_rate_and_weight_decay_must_be_finite_and_non_negative(make, argument, value):
+    with pytest.raises(ValueError, match=rf"\w+: {argument} must be a finite number >= 0, got "):
+        make(value)
+
+
+# ---------------------------------------------------------------- traced learning rate, checked at run time
+def _jitted_step(tx, params):
+    @jax.jit
+    def step(p, s):
+        u, s = tx.update(p, s, p)
+        return optax.apply_updates(p, u), s
+    return step, tx.init(params)
+
+
+@pytest.mark.parametrize("bad", [-1e-3, INF, NAN])
+def test_schedule_giving_a_bad_learning_rate_fails_loudly_under_jit(bad):
+    params = {"a": jnp.ones((4,))}
+    schedule = lambda count: jnp.where(count >= 2, bad, 1e-3)  # good for two steps, then bad
+    step, state = _jitted_step(optim.adamw(schedule), params)
+    for _ in range(2):
+        params, state = step(params, state)
+    jax.block_until_ready(params)
+    with pytest.raises(Exception, match=rf"adamw: learning_rate must be a finite number >= 0, got {bad} "
+                                        rf"at step 3"):
+        params, state = step(params, state)
+        jax.block_until_ready(params)
+
+
+def test_injected_negative_learning_rate_fails_loudly_under_jit():
+    params = {"a": jnp.ones((4,))}
+    tx = optax.inject_hyperparams(optim.sgd)(learning_rate=1e-2, momentum=0.9)
+    step, state = _jitted_step(tx, params)
+    params, state = step(params, state)
+    state.hyperparams["learning_rate"] = jnp.asarray(-0.5)
+    with pytest.raises(Exception, match=r"sgd: learning_rate must be a finite number >= 0, got -0.5 at step 2"):
+        jax.block_until_ready(step(params, state))
+
+
+def test_traced_weight_decay_checked_too():
+    params = {"a": jnp.ones((4,))}
+    step = jax.jit(lambda p, wd: optim.adamw(1e-3, weight_decay=wd).update(p, optim.adamw(1e-3).init(p), p)[0])
+    jax.block_until_ready(step(params, 0.1))
+    with pytest.raises(Exception, match=r"adamw: weight_decay must be a finite number >= 0, got -0.1 at step 1"):
+        jax.block_until_ready(step(params, -0.1))
+
+
+def test_guard_is_a_cond_only_where_the_rate_is_traced():
+    """A constant rate is checked at construction and adds nothing to the program; a
+    traced one adds one conditional whose branch holds the callback (Python runs only
+    when the value is bad)."""
+    params = {"a": jnp.ones((4,))}
+    state = optim.adam(1e-3).init(params)
+    text = lambda tx: jax.jit(lambda p, s: tx.update(p, s, p)).lower(params, state).as_text()
+    scheduled = text(optim.adam(lambda c: 1e-3 / (1.0 + c)))
+    assert "stablehlo.case" in scheduled and "callback" in scheduled
+    constant = text(optim.adam(1e-3))
+    assert "stablehlo.case" not in constant and "callback" not in constant
+
+
+# ---------------------------------------------------------------- leaves the kernel does not take: optax's math
+PAIRS = {
+    "adamw": (lambda: optim.adamw(1e-2, weight_decay=0.1), lambda: optax.adamw(1e-2, weight_decay=0.1)),
+    "adam_schedule": (lambda: optim.adam(lambda c: 1e-2 / (1.0 + c)), lambda: optax.adam(lambda c: 1e-2 / (1.0 + c))),
+    "sgd_nesterov": (lambda: optim.sgd(1e-2, 0.9, True), lambda: optax.sgd(1e-2, 0.9, True)),
+    "sgd": (lambda: optim.sgd(1e-2), lambda: optax.sgd(1e-2)),
+}
+
+
+def _tree(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda *s: rng.normal(size=s) + (1j * rng.normal(size=s) if jnp.issubdtype(dtype, jnp.complexfloating)
+                                             else 0)
+    return {"w": jnp.asarray(draw(7, 5), dtype), "b": jnp.asarray(draw(5), dtype),
+            "f32": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}
+
+
+def _steps(tx, params, n=4, jit=True, fused_apply=False):
+    """`n` steps on fresh gradients; returns the params and the update of every step."""
+    state = tx.init(params)
+
+    def step(p, s, g):
+        if fused_apply:
+            return optim.apply_updates(tx, g, s, p) + (None,)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+    step = jax.jit(step) if jit else step
+    updates = []
+    for t in range(n):
+        g = jax.tree.map(lambda x: x * 0.5 + _tree(x.dtype, seed=t + 1)["b"][0], params)
+        params, state, u = step(params, state, g)
+        updates.append(u)
+    return params, state, updates
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("dtype", ["float64", "complex64", "complex128"])
+def test_float64_and_complex_leaves_follow_optax_exactly(dtype, pair, jit):
+    """Under x64 (float64, complex128) and with complex64 leaves the whole tree goes
+    through optax's per-leaf math: the same updates, params and moments, in the same dtypes."""
+    ours, theirs = (make() for make in PAIRS[pair])
+    with jax.enable_x64(dtype != "complex64"):
+        params = _tree(jnp.dtype(dtype))
+        p_ours, s_ours, u_ours = _steps(ours, params, jit=jit)
+        p_theirs, s_theirs, u_theirs = _steps(theirs, params, jit=jit)
+        _assert_same(u_ours, u_theirs)
+        _assert_same(p_ours, p_theirs)
+        for name in ("mu", "nu", "trace"):
+            theirs_m = optax.tree.get(s_theirs, name, None)
+            if theirs_m is not None:
+                _assert_same(getattr(s_ours, "nu" if name == "nu" else "mu"), theirs_m)
+                _assert_same(getattr(optim.moments(s_ours, params), "nu" if name == "nu" else "mu"), theirs_m)
+
+
+def test_fused_apply_on_the_per_leaf_path_is_optax_apply_updates():
+    with jax.enable_x64(True):
+        params = _tree(jnp.float64)
+        p_fused, _, _ = _steps(optim.adamw(1e-2), params, fused_apply=True)
+        p_optax, _, _ = _steps(optax.adamw(1e-2, weight_decay=1e-4), params)
+        _assert_same(p_fused, p_optax)
+
+
+def test_float64_leaf_without_x64_is_float32_as_jax_makes_it():
+    """Without x64 JAX itself makes a float64 NumPy array float32: the kernel's path."""
+    params = {"w": np.ones((3,), np.float64)}
+    state = optim.adam(1e-2).init(params)
+    assert state.mu.shape == (16,) and state.mu.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_int_and_bool_leaves_pass_through_as_optax_does(pair):
+    """optax runs its float math on integer and bool leaves too (float updates; its
+    apply_updates casts the new params back): the same numbers and dtypes here."""
+    ours, theirs = (make() for make in PAIRS[pair])
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32),
+              "count": jnp.asarray([1, 2, 3], jnp.int32), "flag": jnp.asarray([True, False])}
+    grads = {"w": jnp.full((4, 3), 0.5, jnp.float32), "count": jnp.asarray([1, 1, 1], jnp.int32),
+             "flag": jnp.asarray([True, True])}
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    for _ in range(2):
+        u_ours, s_ours = ours.update(grads, s_ours, params)
+        u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
+        _assert_same(u_ours, u_theirs)
+        _assert_same(optax.apply_updates(params, u_ours), optax.apply_updates(params, u_theirs))
+
+
+def test_python_int_params_as_optax_extra_args_uses_them():
+    tx = optim.adam(1e-3)
+    params = {"a": 1, "b": 2}
+    u, _ = tx.update(params, tx.init(params))
+    v, _ = optax.adam(1e-3).update(params, optax.adam(1e-3).init(params))
+    _assert_same(u, v)
+
+
+def test_per_leaf_path_keeps_loss_scaling_and_the_finite_check():
+    tx = optim.adam(1e-2, loss_scale="dynamic", initial_loss_scale=4.0)
+    with jax.enable_x64(True):
+        params = _tree(jnp.float64)
+        state = tx.init(params)
+        grads = jax.tree.map(lambda x: x * 4.0, params)  # scaled by the loss scale
+        u, state = jax.jit(tx.update)(grads, state, params)
+        v, _ = jax.jit(optax.adam(1e-2).update)(params, optax.adam(1e-2).init(params))
+        _assert_same(u, v)  # the scale is a power of two: unscaling is exact
+        bad = {**grads, "b": grads["b"].at[0].set(jnp.inf)}
+        u, after = jax.jit(tx.update)(bad, state, params)
+        assert not bool(after.finite) and int(after.count) == 1 and float(after.loss_scale) == 2.0
+        assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(u))
+        _assert_same(after.mu, state.mu)
+
+
+def test_per_leaf_path_refuses_what_only_the_kernel_does():
+    with jax.enable_x64(True):
+        params = {"h": jnp.ones((3,), jnp.bfloat16), "d": jnp.ones((2,), jnp.float64)}
+        with pytest.raises(ValueError, match="adamw: master_weights=True needs params of dtype float32, float16 or "
+                                             "bfloat16 .*; params leaf 0 is float64"):
+            optim.adamw(1e-2, master_weights=True).init(params)
+        with pytest.raises(ValueError, match="sgd: stochastic_rounding=True needs params"):
+            optim.sgd(1e-2, stochastic_rounding=True).init(params)
+        tx = optim.adam(1e-2)
+        state = tx.init({"h": params["h"], "d": params["h"]})  # a kernel-path state for another tree
+        with pytest.raises(ValueError, match="adam: state.mu must be a tree like params for params with float64"):
+            tx.update(params, state, params)
