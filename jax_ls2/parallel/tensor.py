@@ -30,6 +30,8 @@ collectives (on the CPU it makes the reduce-scatter an all-reduce and a slice).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -74,7 +76,7 @@ def _constrain(op: str, x, seq: int, axis_name: str | None):
 
 def _linear(x, kernel, bias, dtype):
     x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-    y = jnp.dot(x, kernel)
+    y = jnp.tensordot(x, kernel, axes=1)
     return y, bias
 
 
@@ -87,15 +89,17 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | No
         along that dim over it instead (inside ``shard_map``: this device's
         ``seq / tensor`` positions).
       kernel: ``(in, out)`` sharded ``P(None, tensor)`` under ``jit``; inside
-        ``shard_map`` this device's ``(in, out / tensor)`` shard.
-      bias: ``(out,)`` sharded ``P(tensor)`` (inside ``shard_map``: ``(out / tensor,)``), or None.
+        ``shard_map`` this device's ``(in, out / tensor)`` shard. ``(in, *out)`` with
+        several output dims (e.g. ``(in, 3, heads * head_dim)`` for a fused QKV
+        projection, so each device holds whole heads of q, k and v) is split on its last.
+      bias: ``out`` shaped, split like the kernel's last dim, or None.
       axis_name: the tensor axis.
       sequence_dim: the sequence dim of x for Megatron sequence parallelism (e.g. 1
         for ``(batch, seq, in)``), or None. x is then all-gathered along it first.
       dtype: the compute dtype (None: promote x, kernel and bias, as ``nnx.Linear``).
 
     Returns:
-      ``(..., out)`` with every position, sharded on the last dim over the tensor axis
+      ``(..., *out)`` with every position, sharded on the last dim over the tensor axis
       (inside ``shard_map``: this device's ``(..., out / tensor)`` slice). No collective
       in the forward pass, or the one all-gather of x with ``sequence_dim``.
     """
@@ -188,6 +192,12 @@ class ColumnParallelLinear(nnx.Module):
     as ``nnx.Linear`` makes them (same initialisers, same values for the same key), so a
     model with these layers matches its unsplit twin.
 
+    ``out_features`` may be a tuple, e.g. ``(3, hidden)`` for a fused QKV projection:
+    the kernel is then ``(in_features, *out_features)``, split on its last dim (each
+    device holds whole heads of q, k and v), with the values of
+    ``nnx.Linear(in_features, prod(out_features))``'s kernel reshaped (whose columns are
+    ``[q | k | v]``), and the output is ``(..., *out_features)``.
+
     ``__call__(x)``: x ``(..., in_features)`` replicated over the tensor axis; returns
     ``(..., out_features)`` sharded on the last dim over the tensor axis (inside
     ``shard_map``: the local ``(..., out_features / tensor)`` slice). See
@@ -206,19 +216,36 @@ class ColumnParallelLinear(nnx.Module):
                  sequence_dim: int | None = None, mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         owner = "ColumnParallelLinear"
         self.in_features = _check_features(owner, "in_features", in_features)
-        self.out_features = _check_features(owner, "out_features", out_features)
+        out = tuple(out_features) if isinstance(out_features, (tuple, list)) else (out_features,)
+        if not out:
+            raise ValueError(f"{owner}: out_features must be an int or a non-empty tuple of ints, got {out_features!r}")
+        self.out_features = out if isinstance(out_features, (tuple, list)) else out_features
+        for size in out:
+            _check_features(owner, "out_features", size)
         self.tensor_axis, self.dtype, self.use_bias = tensor_axis, dtype, bool(use_bias)
         self.sequence_dim = sequence_dim
-        key = rngs.params()
-        self.kernel = _param(kernel_init(key, (in_features, out_features), param_dtype), (None, tensor_axis), mesh)
-        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), (tensor_axis,), mesh)
+        split = (None,) * (len(out) - 1) + (tensor_axis,)
+        # made 2-D and reshaped, so the initialiser sees nnx.Linear's fan-in and fan-out
+        width = math.prod(out)
+        kernel = kernel_init(rngs.params(), (in_features, width), param_dtype).reshape(in_features, *out)
+        self.kernel = _param(kernel, (None, *split), mesh)
+        self.bias = (_param(bias_init(rngs.params(), (width,), param_dtype).reshape(out), split, mesh)
                      if self.use_bias else nnx.data(None))
+
+    @property
+    def _out_shape(self) -> tuple[int, ...]:
+        return tuple(self.out_features) if isinstance(self.out_features, tuple) else (self.out_features,)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         owner = "ColumnParallelLinear"
         kernel = self.kernel[...]
         _check_input(owner, x, self.in_features, "in_features")
-        _local_width(owner, self.tensor_axis, self.out_features, kernel.shape[1], "kernel", "out_features")
+        full = kernel.shape[:-1] + (self._out_shape[-1],)
+        if full[1:] != self._out_shape:
+            raise ValueError(f"{owner}: kernel must have shape ({self.in_features}, *{self._out_shape}) (the last dim "
+                             f"split over {self.tensor_axis!r}), got {tuple(kernel.shape)}")
+        _local_width(owner, self.tensor_axis, self._out_shape[-1], kernel.shape[-1], "kernel",
+                     "out_features[-1]" if isinstance(self.out_features, tuple) else "out_features")
         bias = None if self.bias is None else self.bias[...]
         return column_parallel_linear(x, kernel, bias, axis_name=self.tensor_axis, sequence_dim=self.sequence_dim,
                                       dtype=self.dtype)
