@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from jax_ls2._dispatch import _varying_axes, match_varying
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
 from jax_ls2.fp8.state import DotMeta, FP8DotMeta, FP8Meta
 
@@ -65,6 +66,16 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
     if not isinstance(amax_axes, (tuple, list)) or not all(isinstance(a, str) for a in amax_axes):
         raise TypeError(f"{OP}: amax_axes must be a tuple of mesh axis names, got {amax_axes!r}")
     axes = tuple(amax_axes) if recipe.reduce_amax else ()
+    # Inside shard_map: x and w enter per-device alike (their gradients come back summed
+    # over the axes they were cast over); the amaxes must be reduced over every axis the
+    # operands vary over and the meta does not, or replicas would record different ones.
+    x, w = match_varying(x, w)
+    unreduced = sorted(_varying_axes(x) - set(axes) - _varying_axes(dm.scale))
+    if unreduced:
+        raise ValueError(f"{OP}: x and w vary over the mesh axes {tuple(unreduced)} (inside shard_map) but meta "
+                         f"does not; pass amax_axes={tuple(unreduced)!r} with recipe.reduce_amax=True so every "
+                         f"replica records the same amaxes, or give each device its own meta; got amax_axes="
+                         f"{tuple(amax_axes)!r}, reduce_amax={recipe.reduce_amax}")
     return _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w, dm)
 
 
@@ -116,8 +127,16 @@ def _amax_vmap(axis_size, in_batched, t, like_scale):
 
 
 def _reduced_amax(t, like_scale, axes):
+    """amax of t, max-reduced over the mesh axes ``axes`` (inside shard_map)."""
     amax = _amax(jax.lax.stop_gradient(t), jax.lax.stop_gradient(like_scale))
-    return jax.lax.pmax(amax, axes) if axes else amax
+    if not axes:
+        return amax
+    # pmax takes only axes the value varies over; an amax invariant over some of them
+    # (a replicated weight) is marked varying first, so that one reduction serves all.
+    invariant = tuple(a for a in axes if a not in _varying_axes(amax))
+    if invariant:
+        amax = jax.lax.pcast(amax, invariant, to="varying")
+    return jax.lax.pmax(amax, axes)
 
 
 @jax.custom_jvp
