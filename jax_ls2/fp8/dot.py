@@ -26,8 +26,11 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
       recipe: the `DelayedScaling` the meta follows.
       dtype: the result dtype (float32/bfloat16/float16); default: x's and w's promoted dtype.
       amax_axes: mesh axis names (inside ``shard_map``) over which the amaxes are
-        max-reduced when ``recipe.reduce_amax``. Under a sharded ``jit`` nothing is
-        needed: the amax of a sharded array is already global.
+        max-reduced when ``recipe.reduce_amax``. It must name every manual axis x or w
+        varies over and the meta does not (ValueError otherwise); x and w are made
+        varying over the union of their axes, so a replicated w gets its gradient
+        summed over them. Under a sharded ``jit`` nothing is needed: the amax of a
+        sharded array is already global.
 
     Returns:
       (..., N) in ``dtype``.
