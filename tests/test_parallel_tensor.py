@@ -191,6 +191,18 @@ def test_unsplit_parameters_inside_shard_map_are_refused(setup):
         jax.jit(apply)(state, x)
 
 
+@pytest.mark.parametrize("fn, x, kernel, bias, words", [
+    (parallel.column_parallel_linear, (2, 5), (4, 6), None, r"x must have shape \(\.\.\., 4\) to match kernel \(4, 6\)"),
+    (parallel.column_parallel_linear, (2, 4), (4, 6), (3,), r"bias must have shape \(6,\) to match kernel"),
+    (parallel.column_parallel_linear, (2, 4), (4,), None, r"kernel must be \(in, \*out\), got shape \(4,\)"),
+    (parallel.row_parallel_linear, (2, 4), (4, 3, 2), None, r"kernel must be \(in, out\), got shape \(4, 3, 2\)"),
+    (parallel.row_parallel_linear, (2, 4), (4, 3), (4,), r"bias must have shape \(3,\)"),
+])
+def test_functional_forms_check_their_operands(fn, x, kernel, bias, words):
+    with pytest.raises(ValueError, match=f"{fn.__name__}: {words}"):
+        fn(jnp.ones(x), jnp.ones(kernel), None if bias is None else jnp.ones(bias))
+
+
 def test_bad_inputs():
     layer = parallel.RowParallelLinear(8, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"RowParallelLinear: x must have shape \(\.\.\., 8\)"):

@@ -6,7 +6,9 @@ and Megatron tensor-parallel building blocks.
 ``initialize_distributed()`` starts ``jax.distributed`` from the environment when several
 processes run. `ColumnParallelLinear` / `RowParallelLinear` (and their functional forms)
 split GEMMs over the tensor axis, with their parameters annotated for
-``nnx.get_partition_spec``; they work under sharded ``jit`` and inside ``shard_map``.
+``nnx.get_partition_spec``; they work under sharded ``jit`` and inside ``shard_map``, and
+with ``sequence_dim`` run Megatron sequence parallelism (all-gather before the
+column-parallel GEMM, reduce-scatter after the row-parallel one).
 `VocabParallelEmbed` splits the embedding table by vocabulary (its ``attend`` is the tied
 output head), and `vocab_parallel_cross_entropy` is ``ops.cross_entropy`` on logits split
 by vocabulary, inside ``shard_map``, never gathering them.

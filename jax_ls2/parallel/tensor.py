@@ -74,6 +74,18 @@ def _constrain(op: str, x, seq: int, axis_name: str | None):
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
+def _check_operands(op: str, x, kernel, bias, kernel_ndim: str):
+    if kernel.ndim < 2 or (kernel_ndim == "2" and kernel.ndim != 2):
+        raise ValueError(f"{op}: kernel must be {'(in, out)' if kernel_ndim == '2' else '(in, *out)'}, "
+                         f"got shape {tuple(kernel.shape)}")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"{op}: x must have shape (..., {kernel.shape[0]}) to match kernel {tuple(kernel.shape)}, "
+                         f"got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != tuple(kernel.shape[1:]):
+        raise ValueError(f"{op}: bias must have shape {tuple(kernel.shape[1:])} to match kernel "
+                         f"{tuple(kernel.shape)}, got {tuple(bias.shape)}")
+
+
 def _linear(x, kernel, bias, dtype):
     x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
     y = jnp.tensordot(x, kernel, axes=1)
@@ -101,9 +113,11 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | No
     Returns:
       ``(..., *out)`` with every position, sharded on the last dim over the tensor axis
       (inside ``shard_map``: this device's ``(..., out / tensor)`` slice). No collective
-      in the forward pass, or the one all-gather of x with ``sequence_dim``.
+      in the forward pass (with ``sequence_dim``, the all-gather of x); in the backward
+      pass one all-reduce of x's gradient (with ``sequence_dim``, a reduce-scatter).
     """
     op = "column_parallel_linear"
+    _check_operands(op, x, kernel, bias, "n")
     seq = _sequence_dim(op, x, sequence_dim)
     if seq is not None:
         if bound_axis_size(axis_name) is not None:
@@ -138,6 +152,7 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
       along it over the tensor axis (one reduce-scatter forward, one all-gather backward).
     """
     op = "row_parallel_linear"
+    _check_operands(op, x, kernel, bias, "2")
     seq = _sequence_dim(op, x, sequence_dim)
     y, bias = _linear(x, kernel, bias, dtype)
     if bound_axis_size(axis_name) is not None:
