@@ -244,3 +244,29 @@ def test_nnx_module_step_updates_meta_and_params_separately():
     observed = jnp.float32([jnp.abs(xs[1]).max(), jnp.abs(jnp.asarray(kernel_before)).max(), jnp.abs(cs[1]).max()])
     _assert_meta_equal(model.fp8.value(), fp8.update_dot_meta(before, fp8.DotMeta.observation(observed, before), RECIPE))
     assert not np.array_equal(model.kernel[...], kernel_before)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_over_layers_with_stacked_metas(remat):
+    """Layers scanned with one meta each: every layer's update holds its own input amax,
+    with and without jax.checkpoint around the layer."""
+    recipe, layers = fp8.DelayedScaling(amax_history_len=4), 3
+    ws = jax.random.normal(jax.random.key(0), (layers, 16, 16)) * 0.2
+    metas = jax.tree.map(lambda a: jnp.stack([a] * layers), fp8.DotMeta.create(recipe))
+    x = jax.random.normal(jax.random.key(1), (4, 16)) * 3.0
+
+    def layer(h, w_and_meta):
+        w, m = w_and_meta
+        return jnp.tanh(fp8.fp8_dot(h, w, m, recipe)), None
+
+    def loss(ws, metas):
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, (ws, metas))
+        return jnp.sum(h ** 2)
+
+    d_metas = jax.jit(jax.grad(loss, argnums=1))(ws, metas)
+    h, input_amaxes = x, []
+    for i in range(layers):
+        input_amaxes.append(float(jnp.abs(h).max()))
+        h = layer(h, (ws[i], jax.tree.map(lambda a: a[i], metas)))[0]
+    np.testing.assert_array_equal(d_metas.amax_history[:, fp8.INPUT, 0], np.float32(input_amaxes))
+    np.testing.assert_array_equal(d_metas.amax_history[:, fp8.WEIGHT, 0], jnp.abs(ws).max(axis=(1, 2)))

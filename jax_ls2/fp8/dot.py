@@ -159,6 +159,7 @@ def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
 
 
 def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
+    x, w, dm = _first_order_only((x, w, dm))
     amax_x = _reduced_amax(x, dm.scale, axes)
     amax_w = _reduced_amax(w, dm.scale, axes)
     xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
@@ -181,4 +182,4 @@ def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, residuals, g):
     return dx, dw, d_meta
 
 
-_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd, optimize_remat=True)
