@@ -236,11 +236,16 @@ def test_nnx_module_step_updates_meta_and_params_separately():
     xs, cs = _micro_batches()
     before = model.fp8.value()
     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))
-    grads = nnx.grad(lambda m: jnp.sum(m(xs[1]) * cs[1]), argnums=wrt)(model)
-    param_grads, meta_updates = fp8.split_meta(grads)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, c):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) * c), argnums=wrt)(model)
+        param_grads, meta_updates = fp8.split_meta(grads)
+        optimizer.update(model, param_grads)
+        nnx.update(model, fp8.update_meta(nnx.state(model, fp8.FP8Meta), meta_updates, RECIPE))
+
     kernel_before = np.asarray(model.kernel[...])
-    optimizer.update(model, param_grads)
-    nnx.update(model, fp8.update_meta(nnx.state(model, fp8.FP8Meta), meta_updates, RECIPE))
+    train_step(model, optimizer, xs[1], cs[1])
     observed = jnp.float32([jnp.abs(xs[1]).max(), jnp.abs(jnp.asarray(kernel_before)).max(), jnp.abs(cs[1]).max()])
     _assert_meta_equal(model.fp8.value(), fp8.update_dot_meta(before, fp8.DotMeta.observation(observed, before), RECIPE))
     assert not np.array_equal(model.kernel[...], kernel_before)
