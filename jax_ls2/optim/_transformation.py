@@ -105,7 +105,9 @@ def _guard_traced(cfg: Config, lr, count_inc) -> None:
     scalar whose branch holds the callback: Python runs only for a bad value. An
     unconditional ``jax.debug.callback`` would copy the scalar to the host and take the
     GIL at every step, stalling the GPU stream each time; a value known now was
-    checked by `_check` and adds nothing to the program."""
+    checked by `_check` and adds nothing to the program. JAX lowers host callbacks
+    only for the backend in use, so a step with a traced rate cannot be cross-lowered
+    for CUDA on a CPU-only host (``lowering_platforms=("cuda",)``); a constant one can."""
     for argument, value in (("learning_rate", lr), ("weight_decay", cfg.weight_decay)):
         if value is None or not callable(getattr(cfg, argument)) and concrete_number(value) is not None:
             continue
