@@ -120,6 +120,19 @@ def test_traced_weight_decay_checked_too():
         jax.block_until_ready(step(params, -0.1))
 
 
+def test_guard_under_vmap_raises_only_for_a_bad_rate_in_the_batch():
+    """Under vmap the cond becomes a select and the callback runs for every element;
+    its Python side checks the value again, so only the bad element raises."""
+    params = {"a": jnp.ones((4,))}
+    tx = optim.sgd(1e-3)
+    state = tx.init(params)
+    sweep = jax.jit(jax.vmap(lambda lr: optim.sgd(lr).update(params, state, params)[0]["a"]))
+    out = jax.block_until_ready(sweep(jnp.asarray([0.1, 0.2])))
+    np.testing.assert_allclose(np.asarray(out), [[-0.1] * 4, [-0.2] * 4], rtol=1e-6)
+    with pytest.raises(Exception, match=r"sgd: learning_rate must be a finite number >= 0, got -0.2 at step 1"):
+        jax.block_until_ready(sweep(jnp.asarray([0.1, -0.2])))
+
+
 def test_guard_is_a_cond_only_where_the_rate_is_traced():
     """A constant rate is checked at construction and adds nothing to the program; a
     traced one adds one conditional whose branch holds the callback (Python runs only
