@@ -2,7 +2,6 @@
 the optimizer, the argument, what was expected and what came (at construction for
 numbers, at run time for traced learning rates); leaves optax takes (float64 under
 x64, complex, int, bool) go through optax's per-leaf math."""
-import math
 
 import jax
 import jax.numpy as jnp
