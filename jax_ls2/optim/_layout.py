@@ -99,6 +99,15 @@ def unflatten(flat: jax.Array, layout: Layout, dtypes=None) -> list:
     return out
 
 
+def padding_index(layout: Layout) -> np.ndarray:
+    """(n_pad,) int32 positions of the padding elements of a flat buffer, ascending."""
+    ends = np.asarray(layout.offsets, np.int64) + np.asarray(layout.sizes, np.int64)
+    nexts = np.append(np.asarray(layout.offsets[1:], np.int64), layout.total)
+    if not len(ends):
+        return np.zeros((0,), np.int32)
+    return np.concatenate([np.arange(a, b) for a, b in zip(ends, nexts)]).astype(np.int32)
+
+
 def launches(n_leaves: int) -> int:
     """Kernel launches per pass for a pytree of `n_leaves` leaves."""
     return max(1, -(-n_leaves // MAX_LEAVES))
