@@ -104,7 +104,26 @@ def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
         if _ffi.cuda_backend():
             _warn_reference_on_cuda(target)
         return reference
-    return lambda *a: jax.lax.platform_dependent(*a, cuda=cuda, default=reference)
+    return lambda *a: jax.lax.platform_dependent(*a, cuda=_varying_as_inputs(cuda),
+                                                 default=_varying_as_inputs(reference))
+
+
+def _varying_as_inputs(fn: Callable) -> Callable:
+    """``fn`` whose outputs vary over every manual mesh axis its inputs vary over (inside
+    ``shard_map``), so the two branches of ``platform_dependent`` agree: an FFI result
+    takes its input's varying axes, while a reference output computed only from
+    replicated values (or a constant) varies over none."""
+    def wrapped(*args):
+        axes = frozenset().union(*(_varying_axes(a) for a in jax.tree.leaves(args)))
+        outs = fn(*args)
+        if not axes:
+            return outs
+
+        def vary(o):
+            missing = tuple(sorted(axes - _varying_axes(o)))
+            return jax.lax.pcast(o, missing, to="varying") if missing else o
+        return jax.tree.map(vary, outs)
+    return wrapped
 
 
 def implementation() -> str:

@@ -135,14 +135,15 @@ def test_guard_under_vmap_raises_only_for_a_bad_rate_in_the_batch():
 def test_guard_is_a_cond_only_where_the_rate_is_traced():
     """A constant rate is checked at construction and adds nothing to the program; a
     traced one adds one conditional whose branch holds the callback (Python runs only
-    when the value is bad)."""
+    when the value is bad). (With the kernels built, platform_dependent adds conditionals
+    of its own to both programs: the guard is counted as the difference.)"""
     params = {"a": jnp.ones((4,))}
     state = optim.adam(1e-3).init(params)
     text = lambda tx: jax.jit(lambda p, s: tx.update(p, s, p)).lower(params, state).as_text()
     scheduled = text(optim.adam(lambda c: 1e-3 / (1.0 + c)))
-    assert "stablehlo.case" in scheduled and "callback" in scheduled
     constant = text(optim.adam(1e-3))
-    assert "stablehlo.case" not in constant and "callback" not in constant
+    assert "callback" in scheduled and "callback" not in constant
+    assert scheduled.count("stablehlo.case") == constant.count("stablehlo.case") + 1
 
 
 # ---------------------------------------------------------------- leaves the kernel does not take: optax's math
