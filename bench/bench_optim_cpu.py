@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from bench.common import Rows
+from bench.bench_optim import fused_step, optax_step
 from jax_ls2 import optim
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.01, 1e-4
@@ -49,17 +50,6 @@ def transformer_shapes(n_leaves: int, hidden: int, vocab: int | None = None) -> 
 def make_tree(shapes, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {f"p{i:04d}": jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for i, s in enumerate(shapes)}
-
-
-def optax_step(tx):
-    def step(g, s, p):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-    return step
-
-
-def fused_step(tx):
-    return lambda g, s, p: optim.apply_updates(tx, g, s, p)
 
 
 def make_impls():

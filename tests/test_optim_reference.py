@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from bench.bench_optim import fused_step, optax_step
 from jax_ls2 import optim
 from jax_ls2.optim import _abi as A
 from jax_ls2.optim import _reference
@@ -35,17 +36,6 @@ def mixed_shapes(n, seed=0):
 def tree(shapes, seed):
     rng = np.random.default_rng(seed)
     return {f"p{i:04d}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
-
-
-def optax_step(tx):
-    def step(g, s, p):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-    return step
-
-
-def fused_step(tx):
-    return lambda g, s, p: optim.apply_updates(tx, g, s, p)
 
 
 def lowered_step(step, tx, shapes):
