@@ -1,0 +1,204 @@
+"""Transformer Engine's seed layer, forward + backward, in bf16 and FP8.
+
+The layer of Transformer Engine's performance guide: pre-LN, hidden 4096, FFN 16384,
+32 heads, sequence 2048, batch 4, GELU, no dropout, bf16 activations and weights. Each
+implementation runs in its own process (clean compile cache and memory peak):
+
+  flax-bf16   plain Flax Linen, cuDNN attention (`jax.nn.dot_product_attention`)
+  flax-fp8    the same layer with Flax's own FP8 on every Dense
+              (`flax.linen.Fp8DirectDotGeneralOp`: delayed scaling, history 1024)
+  ls2-bf16    `jax_ls2.nn.TransformerLayer`, cuDNN attention
+  ls2-fp8     the same with ``fp8=jax_ls2.fp8.DelayedScaling()`` (history 1024)
+
+One timed application is the vjp of the layer with respect to its parameters, its FP8
+state and its input, for a random output cotangent, plus (jax_ls2 FP8) the meta update
+that rolls the amax histories; Flax's FP8 computes its new scales inside the same pass.
+Attention stays bf16 in every variant.
+
+    python -m bench.bench_te_layer --out DIR [--impls ls2-bf16 ls2-fp8] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import MATMUL_TFLOPS, backend, git_commit, gpu_name, time_fn
+
+IMPLS = ("flax-bf16", "flax-fp8", "ls2-bf16", "ls2-fp8")
+SEED = dict(batch=4, seq=2048, hidden=4096, ffn=16384, heads=32)
+SMOKE = dict(batch=2, seq=64, hidden=128, ffn=512, heads=4)
+AMAX_HISTORY = 1024
+FIELDS = ["op", "shape", "dtype", "pass", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tflops",
+          "pct_matmul_peak", "speedup_vs_ls2_bf16", "speedup_vs_flax_fp8", "peak_mem_bytes", "compile_s",
+          "gpu", "jax_version", "commit", "date"]
+
+
+def layer_flops(batch, seq, hidden, ffn, heads) -> float:
+    """Analytic FLOPs of one forward + backward (3x the forward's GEMM FLOPs)."""
+    del heads
+    tokens = batch * seq
+    gemms = 2 * tokens * (4 * hidden * hidden + 2 * hidden * ffn)
+    attention = 4 * tokens * seq * hidden
+    return 3.0 * (gemms + attention)
+
+
+def attention(q, k, v):
+    """(batch, seq, heads, head_dim) bf16 -> same; cuDNN on the GPU, XLA elsewhere."""
+    implementation = "cudnn" if jax.default_backend() == "gpu" else None
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+
+
+def flax_layer(shape, fp8: bool):
+    """(apply(variables, x), variables): the plain Linen layer, FP8 Dense layers if asked."""
+    from flax import linen as nn
+
+    hidden, ffn, heads = shape["hidden"], shape["ffn"], shape["heads"]
+    extra = {"dot_general_cls": nn.Fp8DirectDotGeneralOp} if fp8 else {}
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            def dense(features, name):
+                return nn.Dense(features, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, name=name, **extra)
+
+            b, t, _ = x.shape
+            h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
+            q, k, v = jnp.split(dense(3 * hidden, "qkv")(h).reshape(b, t, 3 * heads, hidden // heads), 3, axis=2)
+            x = x + dense(hidden, "out")(attention(q, k, v).reshape(b, t, hidden))
+            h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
+            h = jax.nn.gelu(dense(ffn, "fc1")(h), approximate=False)
+            return x + dense(hidden, "fc2")(h)
+
+    layer = Layer()
+    x = jnp.zeros((shape["batch"], shape["seq"], hidden), jnp.bfloat16)
+    variables = layer.init(jax.random.key(0), x)
+    return layer.apply, variables
+
+
+def flax_step(shape, fp8: bool):
+    apply, variables = flax_layer(shape, fp8)
+
+    def step(variables, x, dy):
+        y, vjp = jax.vjp(lambda v, x: apply(v, x), variables, x)
+        return vjp(dy)
+
+    return step, variables
+
+
+def ls2_step(shape, fp8: bool):
+    from flax import nnx
+
+    from jax_ls2 import fp8 as ls2_fp8
+    from jax_ls2.nn import TransformerLayer
+
+    recipe = ls2_fp8.DelayedScaling(amax_history_len=AMAX_HISTORY) if fp8 else None
+    layer = TransformerLayer(shape["hidden"], shape["ffn"], shape["heads"], hidden_dropout=0.0, attn_dropout=0.0,
+                             activation="gelu", attention_backend="cudnn" if jax.default_backend() == "gpu" else "xla",
+                             dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                             **({"fp8": recipe} if fp8 else {}))
+    if fp8:
+        graphdef, diff, rest = nnx.split(layer, nnx.Any(nnx.Param, ls2_fp8.FP8Meta), ...)
+    else:
+        graphdef, diff, rest = nnx.split(layer, nnx.Param, ...)
+
+    def step(diff, x, dy):
+        def f(diff, x):
+            return nnx.merge(graphdef, diff, rest)(x, deterministic=True)
+
+        y, vjp = jax.vjp(f, diff, x)
+        grads, dx = vjp(dy)
+        if not fp8:
+            return grads, dx
+        param_grads, meta_updates = ls2_fp8.split_meta(grads)
+        return param_grads, ls2_fp8.update_meta(diff, meta_updates, recipe), dx
+
+    return step, diff
+
+
+def run_one(impl: str, shape: dict, reps: int) -> dict:
+    """Times one implementation in this process; returns its figures."""
+    import time
+
+    kind, precision = impl.split("-")
+    builder = flax_step if kind == "flax" else ls2_step
+    step, state = builder(shape, precision == "fp8")
+    kx, kd = jax.random.split(jax.random.key(1))
+    dims = (shape["batch"], shape["seq"], shape["hidden"])
+    x = jax.random.normal(kx, dims, jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, dims, jnp.float32).astype(jnp.bfloat16)
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.jit(step).lower(state, x, dy).compile()(state, x, dy))
+    compile_s = time.perf_counter() - t0
+    med, p20, p80 = time_fn(step, [(state, x, dy)], reps=reps, warmup=3, pipeline=4)
+    stats = jax.devices()[0].memory_stats() or {}
+    return dict(ms_median=med, ms_p20=p20, ms_p80=p80, compile_s=compile_s,
+                peak_mem_bytes=stats.get("peak_bytes_in_use", ""))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for the CSV")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--smoke", action="store_true", help="a tiny layer (checks the script, any backend)")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    shape = SMOKE if args.smoke else SEED
+    if args.one:
+        print(json.dumps(run_one(args.one, shape, args.reps)))
+        return
+    flops = layer_flops(**shape)
+    results = {}
+    for impl in args.impls:
+        cmd = [sys.executable, "-m", "bench.bench_te_layer", "--out", args.out, "--one", impl,
+               "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{impl}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+    meta = dict(backend=backend(), gpu=gpu_name(), jax_version=jax.__version__, commit=git_commit(),
+                date=datetime.date.today().isoformat())
+    shape_text = "x".join(str(shape[k]) for k in ("batch", "seq", "hidden", "ffn", "heads"))
+    rows = []
+    for impl, r in results.items():
+        row = dict(meta, op="te_layer", shape=shape_text, dtype="bfloat16", **{"pass": "fwd+bwd"}, impl=impl, **r)
+        row["tflops"] = round(flops / (r["ms_median"] * 1e-3) / 1e12, 1)
+        row["pct_matmul_peak"] = round(100 * row["tflops"] / MATMUL_TFLOPS, 1)
+        for ref, col in (("ls2-bf16", "speedup_vs_ls2_bf16"), ("flax-fp8", "speedup_vs_flax_fp8")):
+            if ref in results:
+                row[col] = round(results[ref]["ms_median"] / r["ms_median"], 3)
+        for k in ("ms_median", "ms_p20", "ms_p80", "compile_s"):
+            row[k] = round(row[k], 4)
+        rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_te_layer.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{'impl':<11}{'ms':>9}{'p20':>9}{'p80':>9}{'TFLOP/s':>9}{'x ls2 bf16':>11}{'x flax fp8':>11}"
+          f"{'peak GB':>9}{'compile s':>10}")
+    for r in rows:
+        peak = f"{r['peak_mem_bytes'] / 1e9:.2f}" if r["peak_mem_bytes"] != "" else ""
+        print(f"{r['impl']:<11}{r['ms_median']:>9}{r['ms_p20']:>9}{r['ms_p80']:>9}{r['tflops']:>9}"
+              f"{str(r.get('speedup_vs_ls2_bf16', '')):>11}{str(r.get('speedup_vs_flax_fp8', '')):>11}"
+              f"{peak:>9}{r['compile_s']:>10}")
+    print(f"wrote {path}")
+    if len(results) < len(args.impls):
+        sys.exit(1)
+    return rows
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
