@@ -6,7 +6,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_ls2.fp8 import fp8_dot
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+# The oldest CUDA compute capability with FP8 GEMMs (Ada, sm_89).
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_rate(owner: str, name: str, rate: float) -> float:
@@ -34,16 +38,56 @@ def check_hidden(owner: str, x, hidden_size: int, name: str = "x"):
         raise ValueError(f"{owner}: {name} must have shape (..., {hidden_size}), got {tuple(x.shape)}")
 
 
-def matmul(x: jax.Array, linear: nnx.Linear, dtype):
+def matmul(x: jax.Array, linear: nnx.Linear, dtype, fp8=None):
     """``x @ linear.kernel`` without the bias, and the bias, both in the promoted dtype.
 
     x: (..., in); returns y: (..., out) and bias: (out,) -- the bias is left for a fused
     epilogue op (bias + dropout + residual, bias + activation + dropout).
+    fp8: None, or an `FP8Gemm`: the GEMM then runs through `jax_ls2.fp8.fp8_dot` (x and
+    the kernel quantized from their own dtypes, the result in the promoted dtype).
     """
     kernel = linear.kernel[...]
     bias = linear.bias[...]
+    if fp8 is not None:
+        return fp8(x, kernel, dtype), bias.astype(promoted_dtype(dtype, x, kernel, bias))
     x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
     return jnp.dot(x, kernel), bias
+
+
+def promoted_dtype(dtype, *arrays):
+    """The compute dtype `dtypes.promote_dtype` gives ``arrays`` for ``dtype``."""
+    return jnp.dtype(dtype) if dtype is not None else jnp.result_type(*arrays)
+
+
+class FP8Gemm:
+    """One weight GEMM's FP8 setting: its meta (an `FP8DotMeta`), the recipe and the mesh
+    axes of the amax reduction. ``gemm(x, kernel, dtype)``: ``x @ kernel`` through
+    `jax_ls2.fp8.fp8_dot`, x: (..., K), kernel: (K, N) -> (..., N) in the promoted dtype."""
+
+    def __init__(self, meta, recipe, amax_axes=()):
+        self.meta, self.recipe, self.amax_axes = meta, recipe, amax_axes
+
+    def __call__(self, x, kernel, dtype):
+        return fp8_dot(x, kernel, self.meta, self.recipe, dtype=promoted_dtype(dtype, x, kernel),
+                       amax_axes=self.amax_axes)
+
+
+def check_fp8_device(owner: str) -> None:
+    """Raises where FP8 GEMMs cannot run: a CUDA GPU below compute capability 8.9. Other
+    backends (the CPU) run the reference FP8 math."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return
+    try:
+        version = tuple(int(p) for p in str(capability).split(".")[:2])
+    except ValueError:  # not a CUDA "major.minor" (another GPU vendor's naming)
+        return
+    if version < FP8_MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+        raise ValueError(f"{owner}: fp8 needs a GPU with FP8 GEMMs (CUDA compute capability {need} or newer: "
+                         f"Ada, Hopper, Blackwell), got {device.device_kind} with compute capability "
+                         f"{capability}; leave fp8=None on this GPU")
 
 
 def rng_stream(rngs, collection: str = "dropout"):

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import (check_heads, check_hidden, check_rate, draw_key, matmul,
-                                resolve_deterministic, rng_stream)
+from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
+                                matmul, promoted_dtype, resolve_deterministic, rng_stream)
 
 BACKENDS = ("auto", "cudnn", "fused", "xla")
 
@@ -106,18 +107,28 @@ class MultiHeadAttention(nnx.Module):
     heads-major; cross-attention ``q`` (hidden, hidden) and ``kv`` (hidden, 2*hidden);
     ``out`` (hidden, hidden). All ``nnx.Linear`` with biases.
 
+    With ``fp8`` (a `jax_ls2.fp8.DelayedScaling`) each projection GEMM runs through
+    `jax_ls2.fp8.fp8_dot` with its own meta: ``qkv_fp8`` (three `FP8DotMeta`, one per
+    q, k and v GEMM) or ``q_fp8`` and ``kv_fp8``, and ``out_fp8``; their ``FP8Meta``
+    variables sit beside the params, which stay those of the bf16 module. Attention
+    itself stays in the compute dtype.
+
     Args:
       hidden_size, num_heads: model width and heads (hidden_size % num_heads == 0).
       self_attention: True for self-attention (fused QKV), False for cross-attention.
       attn_dropout: attention-probability dropout rate.
       attention_backend: "auto", "cudnn", "fused" or "xla" (see module docstring).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+      fp8: None or a `jax_ls2.fp8.DelayedScaling` (hidden_size a multiple of 16).
+      fp8_amax_axes: mesh axes of the amax reduction inside ``shard_map`` (see
+        `jax_ls2.fp8.fp8_dot`'s ``amax_axes``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, self_attention: bool = True,
                  attn_dropout: float = 0.0, attention_backend: str = "auto",
                  deterministic: bool | None = None, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+                 kernel_init=nnx.initializers.lecun_normal(), fp8=None, fp8_amax_axes=(),
+                 rngs: nnx.Rngs):
         self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
         if attention_backend not in BACKENDS:
             raise ValueError(f"MultiHeadAttention: attention_backend must be one of {BACKENDS}, "
@@ -136,6 +147,37 @@ class MultiHeadAttention(nnx.Module):
             self.kv = nnx.Linear(hidden_size, 2 * hidden_size, **kw)
         self.out = nnx.Linear(hidden_size, hidden_size, **kw)
         self.rngs = rng_stream(rngs)
+        if fp8 is not None:
+            self._setup_fp8(fp8, fp8_amax_axes)
+
+    def _setup_fp8(self, recipe, amax_axes):
+        from jax_ls2.nn.config import FP8_DIM_MULTIPLE, _check_fp8  # noqa: PLC0415 (config imports this module)
+        self.fp8_amax_axes = _check_fp8("MultiHeadAttention", {
+            "fp8": recipe, "fp8_amax_axes": amax_axes, "hidden_size": self.hidden_size,
+            "ffn_size": FP8_DIM_MULTIPLE})
+        check_fp8_device("MultiHeadAttention")
+        self.fp8 = recipe
+        if self.self_attention:
+            self.qkv_fp8 = nnx.List([FP8DotMeta(recipe) for _ in range(3)])
+        else:
+            self.q_fp8, self.kv_fp8 = FP8DotMeta(recipe), FP8DotMeta(recipe)
+        self.out_fp8 = FP8DotMeta(recipe)
+
+    def _fp8_gemm(self, name: str, i: int | None = None):
+        """The `FP8Gemm` of the projection ``name`` ("qkv" part i, "q", "kv", "out"), or
+        None without fp8."""
+        if getattr(self, "fp8", None) is None:
+            return None
+        meta = getattr(self, f"{name}_fp8")
+        return FP8Gemm(meta if i is None else meta[i], self.fp8, self.fp8_amax_axes)
+
+    def project_kv(self, memory):
+        """Cross-attention keys and values: ``memory @ kv.kernel + kv.bias``, memory
+        (..., hidden) -> (..., 2*hidden)."""
+        if getattr(self, "fp8", None) is None:
+            return self.kv(memory)
+        y, b = matmul(memory, self.kv, self.dtype, self._fp8_gemm("kv"))
+        return y + b
 
     def _split(self, y, parts):
         return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
@@ -149,8 +191,14 @@ class MultiHeadAttention(nnx.Module):
         batch x len x hidden activations each time. `xs`: one input per part (copies of
         the same activations, see `context`)."""
         kernel, bias = linear.kernel[...], linear.bias[...]
-        *xs, kernel, bias = dtypes.promote_dtype((*xs, kernel, bias), dtype=self.dtype)
         h = self.hidden_size
+        if getattr(self, "fp8", None) is not None:
+            # One FP8 GEMM (and meta) per part, each quantizing its own kernel slice.
+            dtype = promoted_dtype(self.dtype, *xs, kernel, bias)
+            bias = bias.astype(dtype)
+            return [(self._fp8_gemm("qkv", i)(x, kernel[:, i * h:(i + 1) * h], dtype) + bias[i * h:(i + 1) * h]
+                     ).reshape(*x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
+        *xs, kernel, bias = dtypes.promote_dtype((*xs, kernel, bias), dtype=self.dtype)
         return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
             *x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
 
@@ -189,12 +237,17 @@ class MultiHeadAttention(nnx.Module):
         if self.self_attention:
             q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:
-            q = self.q(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+            if getattr(self, "fp8", None) is None:
+                q = self.q(x)
+            else:
+                q, q_bias = matmul(x, self.q, self.dtype, self._fp8_gemm("q"))
+                q = q + q_bias
+            q = q.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             if kv is None:
                 if memory is None:
                     raise ValueError("MultiHeadAttention: cross-attention needs memory or kv")
                 check_hidden("MultiHeadAttention", memory, self.hidden_size, "memory")
-                kv = self.kv(memory)
+                kv = self.project_kv(memory)
             elif kv.shape[-1] != 2 * self.hidden_size:
                 raise ValueError(f"MultiHeadAttention: kv must have shape (..., {2 * self.hidden_size}) "
                                  f"(batch, k_len, ...; k_len first with seq_first), got {tuple(kv.shape)}")
@@ -214,5 +267,5 @@ class MultiHeadAttention(nnx.Module):
             key = draw_key("MultiHeadAttention", self.rngs, rngs)
         ctx = self.context(x, memory, padding_mask=padding_mask, causal=causal, kv=kv, key=key,
                            deterministic=det, seq_first=seq_first)
-        y, b = matmul(ctx, self.out, self.dtype)
+        y, b = matmul(ctx, self.out, self.dtype, self._fp8_gemm("out"))
         return y + b

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jax_ls2.fp8.recipe import DelayedScaling
 from jax_ls2.nn._common import check_activation, check_heads, check_rate
 from jax_ls2.nn.attention import BACKENDS
 
@@ -40,6 +41,16 @@ class LayerConfig:
       attention_backend: "auto", "cudnn", "fused" or "xla" (see jax_ls2.nn.attention).
       deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
+      fp8: None (default: no FP8) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM of
+        the layer (the q/k/v projections, cross-attention's q and kv, the attention
+        output, fc1, fc2) runs through `jax_ls2.fp8.fp8_dot` with its own FP8 meta (an
+        ``FP8Meta`` variable beside the GEMM's ``nnx.Linear``, never an ``nnx.Param``);
+        attention itself (scores, softmax, context) and the biases stay in ``dtype``.
+        hidden_size and ffn_size must then be multiples of 16 (cuBLASLt's FP8 GEMMs),
+        and a CUDA GPU must have FP8 (sm_89 or newer); the CPU runs the same FP8 math.
+      fp8_amax_axes: mesh axis names (inside ``shard_map``) over which the FP8 amaxes
+        are max-reduced (`jax_ls2.fp8.fp8_dot`'s ``amax_axes``); ``()`` under a sharded
+        ``jit`` or on one device.
     """
     hidden_size: int
     ffn_size: int
@@ -54,6 +65,8 @@ class LayerConfig:
     deterministic: bool | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    fp8: Any = None
+    fp8_amax_axes: tuple = ()
 
     def __post_init__(self):
         for name, value in _checked("LayerConfig", _fields(self)).items():
@@ -114,7 +127,31 @@ def _checked(owner: str, f: dict) -> dict:
                         f"{type(f['deterministic']).__name__}")
     _check_dtype(owner, "dtype", f["dtype"], allow_none=True)
     _check_dtype(owner, "param_dtype", f["param_dtype"], allow_none=False)
+    f["fp8_amax_axes"] = _check_fp8(owner, f)
     return f
+
+
+# cuBLASLt's FP8 GEMMs take K and N (the contracted and the output dims) in multiples of 16.
+FP8_DIM_MULTIPLE = 16
+
+
+def _check_fp8(owner: str, f: dict) -> tuple:
+    """Checks ``fp8`` and ``fp8_amax_axes``; returns the axes as a tuple."""
+    recipe, axes = f["fp8"], f["fp8_amax_axes"]
+    if isinstance(axes, str):
+        axes = (axes,)
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"{owner}: fp8_amax_axes must be a tuple of mesh axis names, got {axes!r}")
+    if recipe is None:
+        return tuple(axes)
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"{owner}: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got "
+                        f"{type(recipe).__name__}")
+    for name in ("hidden_size", "ffn_size"):
+        if f[name] % FP8_DIM_MULTIPLE:
+            raise ValueError(f"{owner}: fp8 needs {name} to be a multiple of {FP8_DIM_MULTIPLE} (the K and N "
+                             f"dims of its FP8 GEMMs, as cuBLASLt takes them), got {f[name]}")
+    return tuple(axes)
 
 
 def layer_config(owner: str, hidden_size, ffn_size, num_heads, options: dict) -> LayerConfig:

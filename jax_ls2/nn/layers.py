@@ -3,6 +3,9 @@
 Parameter trees match the plain-Flax twins in ``flax_models.plain`` leaf for leaf:
 ``attn_ln``/``ffn_ln`` (and ``cross_ln``) are LayerNorms with ``scale``/``bias``,
 ``attn``/``cross_attn`` are `MultiHeadAttention`, ``fc1``/``fc2`` are ``nnx.Linear``.
+With ``fp8`` set, the FP8 metas (``FP8Meta`` variables, not params) sit beside them:
+``attn.qkv_fp8``, ``attn.out_fp8``, ``cross_attn.q_fp8``, ``cross_attn.kv_fp8``,
+``cross_attn.out_fp8``, ``fc1_fp8``, ``fc2_fp8``.
 """
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import check_hidden, check_rate, draw_key, matmul, resolve_deterministic, rng_stream
+from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, resolve_deterministic,
+                                rng_stream)
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
@@ -78,6 +83,9 @@ class _Block(nnx.Module):
         attn = dict(attn_dropout=c.attn_dropout, attention_backend=c.attention_backend,
                     deterministic=c.deterministic, dtype=c.dtype, param_dtype=c.param_dtype,
                     rngs=rngs)
+        if c.fp8 is not None:
+            check_fp8_device(self._owner)
+            attn.update(fp8=c.fp8, fp8_amax_axes=c.fp8_amax_axes)
         lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
         self.attn_ln = LayerNorm(c.hidden_size, **ln)
         self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True, **attn)
@@ -89,6 +97,13 @@ class _Block(nnx.Module):
         self.fc1 = nnx.Linear(c.hidden_size, c.ffn_size, **lin)
         self.fc2 = nnx.Linear(c.ffn_size, c.hidden_size, **lin)
         self.rngs = rng_stream(rngs)
+        if c.fp8 is not None:
+            self.fc1_fp8, self.fc2_fp8 = FP8DotMeta(c.fp8), FP8DotMeta(c.fp8)
+
+    def _fc_gemm(self, name: str):
+        """The `FP8Gemm` of ``fc1`` or ``fc2``, or None without fp8."""
+        c = self.config
+        return None if c.fp8 is None else FP8Gemm(getattr(self, f"{name}_fp8"), c.fp8, c.fp8_amax_axes)
 
     # The layer's hyper-parameters, read from its config.
     hidden_size = property(lambda self: self.config.hidden_size)
@@ -152,15 +167,15 @@ class _Block(nnx.Module):
         return x
 
     def _ffn(self, h, det, key, seq_first):
-        y, b = matmul(h, self.fc1, self.dtype)
+        y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
         y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
                                  key=key, deterministic=det, seq_first=seq_first)
-        return matmul(y, self.fc2, self.dtype)
+        return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
 
     def _attn_sub(self, mha, det, key, **kw):
         def sub(h):
             ctx = mha.context(h, key=key, deterministic=det, **kw)
-            return matmul(ctx, mha.out, self.dtype)
+            return matmul(ctx, mha.out, self.dtype, mha._fp8_gemm("out"))
         return sub
 
 
@@ -171,8 +186,16 @@ _DOC_ARGS = """
       ffn_size, num_heads: FFN width and attention heads.
       **options: the other `LayerConfig` fields (``pre_layer_norm``, ``activation``,
         ``attn_dropout``, ``activation_dropout``, ``hidden_dropout``, ``epsilon``,
-        ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``); with a
-        `LayerConfig`, they override its fields.
+        ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``, ``fp8``,
+        ``fp8_amax_axes``); with a `LayerConfig`, they override its fields.
+      fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q/k/v,
+        attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
+        through `jax_ls2.fp8.fp8_dot`, one meta per GEMM (``FP8Meta`` variables, not
+        params: the parameter tree is the bf16 layer's); attention and biases stay in
+        ``dtype``. Train with the meta updated every step: differentiate with
+        ``nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))`` and pass the gradients to
+        ``jax_ls2.optim.update_nnx(..., fp8=recipe)`` or `jax_ls2.fp8.apply_meta_updates`.
+        hidden_size and ffn_size must be multiples of 16; a CUDA GPU needs sm_89+.
       rngs: ``nnx.Rngs``; params from ``params``, dropout keys from ``dropout``.
 
     The layer keeps its `LayerConfig` as ``config``.
@@ -263,7 +286,8 @@ def TransformerLayer(hidden_size: int, ffn_size: int | None = None, num_heads: i
     Transformer Engine's names are accepted as aliases: ``ffn_hidden_size`` for
     ``ffn_size``, ``num_attention_heads`` for ``num_heads``, ``attention_dropout`` for
     ``attn_dropout`` and ``layernorm_epsilon`` for ``epsilon``. Giving a name and its
-    alias together raises TypeError.
+    alias together raises TypeError. ``fp8=jax_ls2.fp8.DelayedScaling(...)`` runs the
+    layer's weight GEMMs in FP8, as in `TransformerEncoderLayer`.
     """
     owner = "TransformerLayer"
     kinds = {"encoder": TransformerEncoderLayer, "decoder": TransformerDecoderLayer}

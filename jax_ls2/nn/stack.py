@@ -4,7 +4,11 @@
 the encoder output with one GEMM against the layers' ``cross_attn.kv`` kernels
 concatenated along the output axis (LightSeq2's layer-batched cross attention). The
 parameters stay per layer, so the parameter tree and the gradients are those of the
-per-layer form (``batched_cross_kv=False``).
+per-layer form (``batched_cross_kv=False``). With ``fp8`` each layer's kv projection is
+its own FP8 GEMM (one meta per GEMM), so the stack then computes them layer by layer.
+
+Both stacks take ``fp8`` and ``fp8_amax_axes`` as `LayerConfig` fields and give them to
+every layer (see `jax_ls2.nn.TransformerEncoderLayer`).
 """
 from __future__ import annotations
 
@@ -153,7 +157,10 @@ class TransformerDecoder(nnx.Module):
 
     def cross_kv(self, memory):
         """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)
-        ((src_len, batch, 2*hidden) from sequence-first memory)."""
+        ((src_len, batch, 2*hidden) from sequence-first memory). With fp8: one FP8 GEMM
+        per layer, each with its layer's meta."""
+        if self.config.fp8 is not None:
+            return [l.cross_attn.project_kv(memory) for l in self.layers]
         kernels = [l.cross_attn.kv.kernel[...] for l in self.layers]
         biases = [l.cross_attn.kv.bias[...] for l in self.layers]
         kernel, bias = jnp.concatenate(kernels, axis=1), jnp.concatenate(biases, axis=0)
