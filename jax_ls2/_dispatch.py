@@ -20,6 +20,10 @@ Operands and results are described by `Role`s:
   word is advanced by the shard's position so shards draw different masks).
 * ``SUM`` (results only): reduced over all lead dims (parameter gradients); summed
   across shards with ``psum``.
+* ``MAX`` (results only): a maximum over all lead dims (an FP8 amax); max-reduced
+  across shards with ``pmax``.
+* ``COLS`` (results only): shape ``(*tail, *lead)``, a ROWS array transposed (the
+  transposed FP8 copies); sharded like the rows along its last dims.
 
 Environment: ``JAX_LS2_IMPL=auto|cuda|reference``. Default auto: the kernels where the
 platform is CUDA and the extension is built, the reference elsewhere, with a warning
@@ -45,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_ls2 import _ffi
 
 ROWS, BCAST, PARAM, SEED, SUM = "rows", "bcast", "param", "seed", "sum"
+MAX, COLS = "max", "cols"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +244,8 @@ class FusedKernel:
                 dims = [lead_spec[i] if shape[i] == lead_shape[i] and shape[i] > 1 else None
                         for i in range(len(lead_spec))]
                 return P(*dims, *([None] * role.tail))
+            if role.kind == COLS:
+                return P(*([None] * role.tail), *lead_spec)
             return P()
 
         def partition(mesh, arg_shapes, result_shape):
@@ -267,7 +274,8 @@ class FusedKernel:
                     args[kernel._seed_index] = seed.at[2].add(
                         (shard * local).astype(jnp.uint32))
                 outs = impl(*args)
-                outs = tuple(jax.lax.psum(o, tuple(axes)) if r.kind == SUM and axes else o
+                outs = tuple(jax.lax.psum(o, tuple(axes)) if r.kind == SUM and axes else
+                             jax.lax.pmax(o, tuple(axes)) if r.kind == MAX and axes else o
                              for r, o in zip(kernel.results, outs))
                 return outs
 
@@ -295,6 +303,9 @@ class FusedKernel:
                     dims = tuple(f"b{i}" if shared(i) and shape[i] == lead_shape[i] and shape[i] > 1 else fresh()
                                  for i in range(lead))
                     return dims + tuple(fresh() for _ in range(role.tail))
+                if role.kind == COLS:
+                    return tuple(fresh() for _ in range(role.tail)) + \
+                        tuple(f"b{i}" if shared(i) else fresh() for i in range(lead))
                 return tuple(fresh() for _ in shape)
 
             results = result_types if isinstance(result_types, (tuple, list)) else (result_types,)
@@ -321,7 +332,7 @@ class FusedKernel:
         def rule(axis_size, in_batched, *args):
             foldable = not one_by_one and all(not b or r.kind in (ROWS, BCAST)
                                               for b, r in zip(in_batched, kernel.operands))
-            foldable = foldable and all(r.kind != SUM for r in kernel.results)
+            foldable = foldable and all(r.kind not in (SUM, MAX, COLS) for r in kernel.results)
             if foldable:
                 folded = []
                 for a, b, r in zip(args, in_batched, kernel.operands):
