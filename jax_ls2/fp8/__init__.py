@@ -25,6 +25,28 @@ averaged or summed). Here the update never reaches an optimizer:
     meta = fp8.update_meta(meta, acc, recipe)            # once per optimizer step:
                                                          # roll the history, recompute scales
 
+In a training loop the step helpers do this. `jax_ls2.optim.update_nnx`,
+`jax_ls2.optim.apply_updates` and `jax_ls2.optim.accumulate` take ``fp8=recipe`` and a
+gradient tree holding the meta updates; for a plain optax loop::
+
+    grads = jax.grad(loss)(variables, batch)               # variables: params and metas
+    param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
+    updates, opt_state = tx.update(param_grads, opt_state, params)   # no meta in sight
+
+(an NNX model in place of ``variables`` has its `FP8Meta` variables updated in place).
+Under gradient accumulation, merge each micro-batch's observations and apply them once
+per optimizer step; with ``optax.MultiSteps``, inside the jitted micro-step::
+
+    param_grads, pending = fp8.accumulate_meta_updates(pending, grads,
+                                                       reset=opt_state.mini_step == 0)
+    updates, opt_state = tx.update(param_grads, opt_state, params)
+    _, meta = fp8.apply_meta_updates(meta, pending, recipe, when=tx.has_updated(opt_state))
+
+with ``pending = fp8.meta_updates_like(meta)`` to start.
+
+Layers: ``fp8=DelayedScaling(...)`` on `jax_ls2.nn`'s Transformer layers and stacks
+puts every weight GEMM through `fp8_dot`, one `FP8DotMeta` per GEMM.
+
 Rules that follow: one meta per GEMM call site (a meta used by two calls in one
 differentiated function gets the sum of their observations from autodiff, which
 overstates the amax); under ``jax.vmap`` with a shared meta the amax is taken over the
@@ -36,7 +58,9 @@ from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OU
                                 DelayedScaling, fp8_max)
 from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, is_meta, join_meta, merge_meta_updates,
                                split_meta, update_dot_meta, update_meta)
+from jax_ls2.fp8.step import accumulate_meta_updates, apply_meta_updates, count_metas, meta_updates_like
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
+__all__ = ["accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
+           "AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
            "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "is_meta", "join_meta", "merge_meta_updates", "split_meta",
            "update_dot_meta", "update_meta"]

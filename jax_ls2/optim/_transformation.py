@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -50,8 +51,26 @@ class FusedState(NamedTuple):
 
 class FlatGrads(NamedTuple):
     """Gradients accumulated in one flat float32 buffer, shape (total,) in the
-    parameters' flat layout (see ``jax_ls2.optim.accumulate``)."""
+    parameters' flat layout (see ``jax_ls2.optim.accumulate``). ``meta``: None, or the
+    FP8 meta updates of the accumulated micro-batches merged by max (a tree like
+    ``jax_ls2.fp8.split_meta`` gives), which only ``apply_updates(..., fp8=recipe)``
+    takes."""
     buffer: jax.Array
+    meta: Any = None
+
+
+def check_no_fp8_meta(fn: str, grads) -> None:
+    """Raises where FP8 meta updates (``jax_ls2.fp8``) would reach the optimizer's math."""
+    if isinstance(grads, FlatGrads):
+        if grads.meta is not None:
+            raise TypeError(f"{fn}: the FlatGrads carry FP8 meta updates (FlatGrads.meta); apply them with "
+                            "jax_ls2.optim.apply_updates(..., fp8=recipe), or pass FlatGrads(acc.buffer)")
+        return
+    fp8 = sys.modules.get("jax_ls2.fp8")  # none can exist unless jax_ls2.fp8 was imported
+    if fp8 is not None and fp8.count_metas(grads):
+        raise TypeError(f"{fn}: grads hold FP8 meta updates (DotMeta / FP8Meta), which are amax observations, "
+                        "not gradients; take them out first with jax_ls2.fp8.apply_meta_updates (or "
+                        "split_meta), or use jax_ls2.optim.apply_updates / update_nnx with fp8=recipe")
 
 
 class Config(NamedTuple):
@@ -270,6 +289,7 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     fn = cfg.name
     if not isinstance(state, FusedState):
         raise TypeError(f"{fn}: state must be a FusedState from this optimizer's init, got {type(state).__name__}")
+    check_no_fp8_meta(fn, grads)
     if params is None:
         params = _params_stand_in(cfg, grads, apply=apply)
     p_leaves, treedef = jax.tree.flatten(params)

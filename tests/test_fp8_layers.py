@@ -1,0 +1,221 @@
+"""fp8=DelayedScaling on the jax_ls2.nn layers and stacks: one meta per weight GEMM, the
+bf16 layer's parameter tree, FP8 dot_generals for every weight GEMM in the lowered
+program (forward E4M3, backward E5M2 gradients), amaxes reduced over the mesh, and
+clear errors."""
+import collections
+import re
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_ls2 import fp8
+from jax_ls2 import nn as ls2
+from jax_ls2.nn import _common
+from jax_ls2.nn import linen as ls2_linen
+from numerics import mesh8, shard
+
+RECIPE = fp8.DelayedScaling(amax_history_len=4)
+HIDDEN, FFN, HEADS = 32, 64, 4
+# Weight GEMMs per layer: q, k, v, attention output, fc1, fc2; the decoder adds
+# cross-attention's q, kv and output.
+ENCODER_GEMMS, DECODER_GEMMS = 6, 9
+WRT = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))
+
+
+def _inputs(batch=8, length=8, seed=0):
+    k = jax.random.split(jax.random.key(seed), 2)
+    # Magnitudes that differ per sequence, so each batch shard sees other amaxes.
+    rows = jnp.arange(1, batch + 1, dtype=jnp.float32)[:, None, None]
+    return jax.random.normal(k[0], (batch, length, HIDDEN)) * rows, jax.random.normal(k[1], (batch, length, HIDDEN))
+
+
+def _param_shapes(module):
+    return jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(module, nnx.Param))
+
+
+@pytest.mark.parametrize("make, gemms", [
+    (lambda **kw: ls2.TransformerEncoderLayer(HIDDEN, FFN, HEADS, rngs=nnx.Rngs(0), **kw), ENCODER_GEMMS),
+    (lambda **kw: ls2.TransformerDecoderLayer(HIDDEN, FFN, HEADS, rngs=nnx.Rngs(0), **kw), DECODER_GEMMS),
+    (lambda **kw: ls2.TransformerLayer(HIDDEN, FFN, HEADS, layer_type="decoder", rngs=nnx.Rngs(0), **kw),
+     DECODER_GEMMS),
+    (lambda **kw: ls2.TransformerEncoder(2, HIDDEN, FFN, HEADS, rngs=nnx.Rngs(0), **kw), 2 * ENCODER_GEMMS),
+    (lambda **kw: ls2.TransformerDecoder(3, HIDDEN, FFN, HEADS, rngs=nnx.Rngs(0), **kw), 3 * DECODER_GEMMS),
+])
+def test_params_are_the_bf16_layers_and_one_meta_per_gemm(make, gemms):
+    with_fp8, without = make(fp8=RECIPE), make()
+    assert _param_shapes(with_fp8) == _param_shapes(without)
+    for a, b in zip(jax.tree.leaves(nnx.state(with_fp8, nnx.Param)), jax.tree.leaves(nnx.state(without, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    assert fp8.count_metas(with_fp8) == gemms and fp8.count_metas(without) == 0
+    assert not any(isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(with_fp8, fp8.FP8Meta)))
+
+
+def _meta_updates(module, *args, **kw):
+    loss = lambda m: jnp.sum(m(*args, deterministic=True, **kw).astype(jnp.float32) ** 2)
+    return fp8.split_meta(nnx.grad(loss, argnums=WRT)(module))[1]
+
+
+@pytest.mark.parametrize("batched_cross_kv", [True, False])
+def test_every_gemm_records_its_own_amaxes_in_the_stacks(batched_cross_kv):
+    x, _ = _inputs(2, 8)
+    memory, _ = _inputs(2, 5, seed=1)
+    enc = ls2.TransformerEncoder(2, HIDDEN, FFN, HEADS, pre_layer_norm=False, fp8=RECIPE, rngs=nnx.Rngs(0))
+    dec = ls2.TransformerDecoder(2, HIDDEN, FFN, HEADS, fp8=RECIPE, batched_cross_kv=batched_cross_kv,
+                                 rngs=nnx.Rngs(1))
+    for updates, gemms in ((_meta_updates(enc, x), 2 * ENCODER_GEMMS),
+                           (_meta_updates(dec, x, memory), 2 * DECODER_GEMMS)):
+        observed = [v.get_value().observed_amax() for _, v in nnx.to_flat_state(updates)]
+        assert len(observed) == gemms
+        for amax in observed:  # input, weight and output-gradient amaxes, each seen once
+            assert np.all(np.asarray(amax) > 0), amax
+
+
+_DOT = re.compile(r"stablehlo\.dot_general.*: \((tensor<[^>]*>), (tensor<[^>]*>)\)")
+_UPCAST = re.compile(r"stablehlo\.convert .*: \(tensor<[^>]*f8E[^>]*>\) -> tensor<[^>]*(?:bf16|f16|f32)>")
+
+
+def _dot_kinds(text):
+    return collections.Counter((a.split("x")[-1].rstrip(">"), b.split("x")[-1].rstrip(">"))
+                               for a, b in _DOT.findall(text))
+
+
+def _lowered_train_step(decoder, recipe):
+    cls = ls2.TransformerDecoderLayer if decoder else ls2.TransformerEncoderLayer
+    layer = cls(HIDDEN, FFN, HEADS, fp8=recipe, dtype=jnp.bfloat16, deterministic=True, rngs=nnx.Rngs(0))
+    graphdef, variables, rest = nnx.split(layer, nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    x, _ = _inputs(2, 16)
+    args = (x, _inputs(2, 16, seed=1)[0]) if decoder else (x,)
+
+    def loss(variables, *args):
+        return jnp.sum(nnx.merge(graphdef, variables, rest)(*args).astype(jnp.float32) ** 2)
+    # Differentiated w.r.t. the inputs too, so that every GEMM has its dgrad.
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(args))))).lower(variables, *args).as_text()
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_lowered_train_step_has_fp8_dot_generals_for_every_weight_gemm(decoder):
+    text = _lowered_train_step(decoder, RECIPE)
+    kinds = _dot_kinds(text)
+    gemms = DECODER_GEMMS if decoder else ENCODER_GEMMS
+    e4, e5 = "f8E4M3FN", "f8E5M2"
+    # forward e4m3 x e4m3; dgrad e5m2 (output gradient) x e4m3 (weight); wgrad e4m3 x e5m2.
+    assert kinds[(e4, e4)] == gemms and kinds[(e5, e4)] == gemms and kinds[(e4, e5)] == gemms, kinds
+    assert sum(kinds.values()) == 3 * gemms + sum(n for k, n in kinds.items() if "f8" not in k[0] + k[1])
+    # The dot_generals left in bf16/f32 are attention's (scores, context, their gradients):
+    # the bf16 layer's dot_generals less its 3 per weight GEMM (forward, dgrad, wgrad).
+    bf16_kinds = _dot_kinds(_lowered_train_step(decoder, None))
+    assert not any("f8" in k[0] + k[1] for k in bf16_kinds)
+    assert sum(n for k, n in kinds.items() if "f8" not in k[0] + k[1]) == sum(bf16_kinds.values()) - 3 * gemms
+    assert not _UPCAST.findall(text), _UPCAST.findall(text)[:3]
+
+
+def _step(graphdef, variables, rest, x, c):
+    """The metas after one step that observed the layer on (x, c)."""
+    def loss(variables):
+        return jnp.sum(nnx.merge(graphdef, variables, rest)(x) * c)
+    grads = jax.grad(loss)(variables)
+    _, metas = fp8.split_meta(variables)
+    return fp8.update_meta(metas, fp8.split_meta(grads)[1], RECIPE)
+
+
+def _assert_identical_on_every_device(metas, expected):
+    for a, b in zip(jax.tree.leaves(metas), jax.tree.leaves(expected)):
+        shards = [np.asarray(s.data) for s in a.addressable_shards]
+        assert len(shards) == 8
+        for s in shards:
+            np.testing.assert_array_equal(s, b)
+
+
+def _layer(**kw):
+    return ls2.TransformerEncoderLayer(HIDDEN, FFN, HEADS, fp8=RECIPE, deterministic=True, rngs=nnx.Rngs(0), **kw)
+
+
+def test_batch_sharded_jit_gives_every_device_the_unsharded_scales():
+    graphdef, variables, rest = nnx.split(_layer(), nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    x, c = _inputs()
+    expected = jax.jit(_step, static_argnums=0)(graphdef, variables, rest, x, c)
+    mesh = mesh8()
+    got = jax.jit(_step, static_argnums=0)(graphdef, shard(variables, mesh), shard(rest, mesh),
+                                           shard(x, mesh, "data"), shard(c, mesh, "data"))
+    _assert_identical_on_every_device(got, expected)
+
+
+def test_shard_map_with_amax_axes_gives_every_device_the_unsharded_scales():
+    graphdef, variables, rest = nnx.split(_layer(), nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    sm_graphdef, sm_variables, sm_rest = nnx.split(_layer(fp8_amax_axes=("data",)), nnx.Any(nnx.Param, fp8.FP8Meta),
+                                                   ...)
+    x, c = _inputs()
+    expected = jax.jit(_step, static_argnums=0)(graphdef, variables, rest, x, c)
+    mesh = mesh8()
+    per_device = lambda v, r, x, c: _step(sm_graphdef, v, r, x, c)
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P()))
+    got = f(sm_variables, sm_rest, shard(x, mesh, "data"), shard(c, mesh, "data"))
+    _assert_identical_on_every_device(got, expected)
+
+
+def test_shard_map_without_amax_axes_is_refused():
+    graphdef, variables, rest = nnx.split(_layer(), nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    x, c = _inputs()
+    mesh = mesh8()
+    per_device = lambda v, r, x, c: _step(graphdef, v, r, x, c)
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P()))
+    with pytest.raises(ValueError, match=r"fp8_dot: x and w vary over the mesh axes \('data',\)"):
+        f(variables, rest, shard(x, mesh, "data"), shard(c, mesh, "data"))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"fp8": "hybrid"}, TypeError,
+     r"TransformerEncoderLayer: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got str"),
+    ({"fp8": RECIPE, "hidden": 40, "heads": 4}, ValueError,
+     r"TransformerEncoderLayer: fp8 needs hidden_size to be a multiple of 16 \(the K and N dims of its FP8 "
+     r"GEMMs, as cuBLASLt takes them\), got 40"),
+    ({"fp8": RECIPE, "ffn": 72}, ValueError, r"TransformerEncoderLayer: fp8 needs ffn_size to be a multiple of 16.*"
+                                             r"got 72"),
+    ({"fp8": RECIPE, "fp8_amax_axes": ("data", 0)}, TypeError,
+     r"TransformerEncoderLayer: fp8_amax_axes must be a tuple of mesh axis names"),
+])
+def test_bad_fp8_options_are_refused(kwargs, error, match):
+    kw = dict(kwargs)
+    hidden, ffn, heads = kw.pop("hidden", HIDDEN), kw.pop("ffn", FFN), kw.pop("heads", HEADS)
+    with pytest.raises(error, match=match):
+        ls2.TransformerEncoderLayer(hidden, ffn, heads, rngs=nnx.Rngs(0), **kw)
+
+
+def test_stack_and_attention_name_themselves_in_errors():
+    with pytest.raises(ValueError, match=r"TransformerDecoder: fp8 needs hidden_size to be a multiple of 16"):
+        ls2.TransformerDecoder(1, 40, 64, 4, fp8=RECIPE, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: fp8 needs hidden_size to be a multiple of 16"):
+        ls2.MultiHeadAttention(24, 4, fp8=RECIPE, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"MultiHeadAttention: fp8 must be None or a jax_ls2.fp8.DelayedScaling"):
+        ls2.MultiHeadAttention(32, 4, fp8=1, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("capability, refused", [("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False)])
+def test_gpus_without_fp8_are_refused(monkeypatch, capability, refused):
+    fake = SimpleNamespace(platform="gpu", compute_capability=capability, device_kind="NVIDIA test GPU")
+    monkeypatch.setattr(_common.jax, "devices", lambda *a: [fake])
+    make = lambda: ls2.TransformerEncoderLayer(HIDDEN, FFN, HEADS, fp8=RECIPE, rngs=nnx.Rngs(0))
+    if refused:
+        with pytest.raises(ValueError, match=rf"TransformerEncoderLayer: fp8 needs a GPU with FP8 GEMMs \(CUDA "
+                                             rf"compute capability 8.9 or newer.*got NVIDIA test GPU with compute "
+                                             rf"capability {capability}"):
+            make()
+    else:
+        make()
+
+
+def test_linen_wrapper_keeps_the_params_collection():
+    x, _ = _inputs(2, 8)
+    with_fp8 = ls2_linen.TransformerEncoderLayer(HIDDEN, FFN, HEADS, fp8=RECIPE, deterministic=True)
+    without = ls2_linen.TransformerEncoderLayer(HIDDEN, FFN, HEADS, deterministic=True)
+    v8, v = with_fp8.init(jax.random.key(0), x), without.init(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, v8["params"]) == jax.tree.map(jnp.shape, v["params"])
+    metas = {k: c for k, c in v8.items() if k != "params"}
+    assert len(jax.tree.leaves(metas)) == 3 * ENCODER_GEMMS, jax.tree.map(jnp.shape, metas)
+    y = with_fp8.apply(v8, x)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
