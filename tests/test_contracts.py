@@ -19,6 +19,7 @@ from jax_ls2.optim import _abi
 # The modules (jax_ls2.ops re-exports functions of the same names).
 dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
 layer_norm_ops = importlib.import_module("jax_ls2.ops.layer_norm")
+fp8_cast_ops = importlib.import_module("jax_ls2.ops.fp8_cast")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "csrc" / "kernels"
@@ -97,6 +98,7 @@ def _mirrors():
         rows.append((f"optim._abi.{py}", getattr(_abi, py), f"optim::{cpp}", same))
     rows.append(("ops.layer_norm._MAX_PARTS", layer_norm_ops._MAX_PARTS, "kMaxPartialRows", same))
     rows.append(("ops.dropout._MAX_PARTS", dropout_ops._MAX_PARTS, "kMaxPartialRows", same))
+    rows.append(("ops.fp8_cast._MAX_PARTS", fp8_cast_ops._MAX_PARTS, "kMaxPartialRows", same))
     # MAX_COPIES: y and the extra cotangents the backward kernel adds to it.
     rows.append(("ops.layer_norm.MAX_COPIES", layer_norm_ops.MAX_COPIES, "kLayerNormMaxExtraDy", lambda v: v + 1))
     acts = {"relu": "kActRelu", "gelu": "kActGelu", "gelu_tanh": "kActGeluTanh"}
