@@ -32,7 +32,11 @@ def layer_library(impl: str):
 def build(cfg: Config, *, impl: str = "ls2", dtype=None, param_dtype=jnp.float32,
           seed: int = 0, train: bool = True):
     """A model of ``cfg.family`` built on ``impl``'s layers, params from ``seed``, dropout
-    keys from ``seed + 1``, in train mode (``train=False``: eval mode)."""
+    keys from ``seed + 1``, in train mode (``train=False``: eval mode). ``cfg.fp8`` (FP8
+    GEMMs) needs ``impl="ls2"``."""
+    if cfg.fp8 is not None and impl != "ls2":
+        raise ValueError(f"build: cfg.fp8 needs impl='ls2' (the plain-Flax twin has no FP8 layers), got "
+                         f"impl={impl!r}")
     module, name = _CLASSES[cfg.family]
     cls = getattr(importlib.import_module(module), name)
     model = cls(cfg, layer_library(impl), dtype=dtype, param_dtype=param_dtype,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jax_ls2.nn.config import EPSILON
 
@@ -12,8 +13,9 @@ class Config:
 
     Common: vocab_size, hidden_size, num_layers (decoder layers for "transformer" too),
     num_heads, ffn_size, max_len (positions / longest sequence), the three dropout rates,
-    epsilon (LayerNorm), attention_backend, remat; the layer fields are named as in
-    ``jax_ls2.nn.LayerConfig``. Family-specific: type_vocab_size and
+    epsilon (LayerNorm), attention_backend, remat, fp8 (None or a
+    ``jax_ls2.fp8.DelayedScaling``: the Transformer layers' weight GEMMs in FP8; jax_ls2
+    layers only); the layer fields are named as in ``jax_ls2.nn.LayerConfig``. Family-specific: type_vocab_size and
     mlm_max_predictions (bert: > 0 runs the MLM head on at most that many predicted
     tokens per sequence instead of on every token), label_smoothing / pad_id
     (transformer), image_size / patch_size / channels / num_classes (vit).
@@ -31,6 +33,7 @@ class Config:
     epsilon: float = EPSILON
     attention_backend: str = "auto"
     remat: bool = False
+    fp8: Any = None
     type_vocab_size: int = 2
     mlm_max_predictions: int = 0
     label_smoothing: float = 0.1
@@ -43,7 +46,10 @@ class Config:
     def layer_options(self, **fixed) -> dict:
         """The keyword arguments of a layer stack (``lib.TransformerEncoder`` /
         ``TransformerDecoder``) that this config sets, plus the model's `fixed` ones
-        (pre_layer_norm, activation, ...)."""
+        (pre_layer_norm, activation, ...). ``fp8`` is among them only when set (the
+        plain-Flax twin has no FP8 layers)."""
+        if self.fp8 is not None:
+            fixed = dict(fixed, fp8=self.fp8)
         return dict(hidden_size=self.hidden_size, ffn_size=self.ffn_size, num_heads=self.num_heads,
                     attn_dropout=self.attn_dropout, activation_dropout=self.activation_dropout,
                     hidden_dropout=self.hidden_dropout, epsilon=self.epsilon,

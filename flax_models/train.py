@@ -9,6 +9,9 @@ memory statistics, as on the CPU).
 
 ``--compare`` also trains the plain-Flax twin from the same weights, seed and data and
 prints the speedup (the ratio of the two median step times) and the loss difference.
+``--fp8`` runs the Transformer layers' weight GEMMs in FP8 with delayed scaling
+(``jax_ls2.fp8.DelayedScaling``; the run is named "ls2-fp8"); with ``--compare`` the
+twin is then the same jax_ls2 model without FP8 (named "ls2").
 ``--ckpt-dir`` saves the full state with orbax every ``--save-every`` steps, with a
 checksum of its arrays; ``--resume`` continues from the latest checkpoint bit for bit
 and refuses a checkpoint that is corrupted or belongs to another model. ``--metrics``
@@ -44,6 +47,11 @@ def _attention_backends() -> tuple:
 def _plain_backends() -> tuple:
     from flax_models.plain.layers import BACKENDS  # noqa: PLC0415
     return BACKENDS
+
+
+def _fp8_formats() -> tuple:
+    from jax_ls2.fp8 import FORMATS  # noqa: PLC0415
+    return FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizer", default="fused", choices=["fused", "optax"],
       help="fused: jax_ls2.optim.adamw; optax: optax.adamw (default: fused; the plain twin "
            "under --compare always uses optax)")
+    a("--fp8", action="store_true",
+      help="run the Transformer layers' weight GEMMs in FP8 with delayed scaling (jax_ls2 only; "
+           "with --compare the twin is jax_ls2 without FP8) (default: off)")
+    a("--fp8-format", choices=_fp8_formats(),
+      help="with --fp8: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (default: hybrid)")
+    a("--fp8-amax-history", type=int,
+      help="with --fp8: amax history length per GEMM operand, at least 1 (default: 1024)")
     a("--ckpt-dir", help="directory for orbax checkpoints of the full training state "
                          "(default: none, nothing saved)")
     a("--save-every", type=int, default=0,
@@ -145,7 +160,14 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.preset not in fm.PRESETS[args.model]:
         p.error(f"--preset for {args.model} must be one of {', '.join(fm.PRESETS[args.model])}, "
                 f"got {args.preset!r}")
-    if args.compare and args.attention_backend not in _plain_backends():
+    if args.fp8 and args.impl != "ls2":
+        p.error("--fp8 needs --impl ls2 (the plain-Flax twin has no FP8 layers)")
+    for flag in ("fp8_format", "fp8_amax_history"):
+        if getattr(args, flag) is not None and not args.fp8:
+            p.error(f"--{flag.replace('_', '-')} applies with --fp8")
+    if args.fp8_amax_history is not None and args.fp8_amax_history < 1:
+        p.error(f"--fp8-amax-history must be at least 1, got {args.fp8_amax_history}")
+    if args.compare and not args.fp8 and args.attention_backend not in _plain_backends():
         p.error(f"--attention-backend {args.attention_backend} has no plain-Flax counterpart; "
                 f"--compare takes one of {', '.join(_plain_backends())}")
 
@@ -166,6 +188,11 @@ def config_from(args):
         if args.model != "bert":
             raise ValueError(f"train: --mlm-max-predictions applies to bert, not {args.model}")
         over["mlm_max_predictions"] = args.mlm_max_predictions
+    if args.fp8:
+        from jax_ls2.fp8 import DelayedScaling  # noqa: PLC0415
+        recipe = {k: v for k, v in (("fp8_format", args.fp8_format), ("amax_history_len", args.fp8_amax_history))
+                  if v is not None}
+        over["fp8"] = DelayedScaling(**recipe)
     cfg = fm.get_config(args.model, args.preset, **over)
     batch, seq = DEFAULTS["tiny" if args.preset == "tiny" else args.model]
     return cfg, args.batch or batch, args.seq or seq or cfg.max_len
@@ -227,13 +254,19 @@ def clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
 
-def metrics_path(args, impl: str):
-    """The metrics file of the run of ``impl`` (None: no file)."""
+def run_name(args) -> str:
+    """The name of the main run: its implementation, "ls2-fp8" with --fp8."""
+    return f"{args.impl}-fp8" if args.fp8 else args.impl
+
+
+def metrics_path(args, name: str):
+    """The metrics file of the run named ``name`` (an implementation, or `run_name`);
+    None: no file."""
     path = args.metrics or (os.path.join(args.ckpt_dir, "metrics.jsonl") if args.ckpt_dir else None)
-    if path is None or impl == args.impl:
+    if path is None or name == run_name(args):
         return path
     root, ext = os.path.splitext(path)
-    return f"{root}-{impl}{ext}"
+    return f"{root}-{name}{ext}"
 
 
 # ---------------------------------------------------------------------------- training
@@ -310,7 +343,7 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
                      median_ms=1e3 * median_s if times else None,
                      rate=rate if times else None, peak_bytes=peak)
         writer.close()
-    return {"impl": impl, "optimizer": opt_name, "losses": losses, "evals": evals,
+    return {"impl": impl, "label": label, "optimizer": opt_name, "losses": losses, "evals": evals,
             "start": start, "ms_median": 1e3 * median_s, "rate": rate, "unit": unit,
             "peak_bytes": peak, "peak": peak_text, "metrics": metrics, "state": state,
             "graphdef": graphdef}
@@ -318,9 +351,9 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
 
 def summary(r):
     if not r["losses"]:
-        return f"{r['impl']:>5}: no steps left to run (the checkpoint is at step {r['start']})"
+        return f"{r['label']:>5}: no steps left to run (the checkpoint is at step {r['start']})"
     ev = f" | held-out loss {r['evals'][-1][1]:.4f}" if r["evals"] else ""
-    return (f"{r['impl']:>5}: final loss {r['losses'][-1]:.4f}{ev} | step {r['ms_median']:.1f} ms "
+    return (f"{r['label']:>5}: final loss {r['losses'][-1]:.4f}{ev} | step {r['ms_median']:.1f} ms "
             f"(median after the first step) | {r['rate']:,.0f} {r['unit']}/s (from that median) "
             f"| peak memory {r['peak']} | {r['optimizer']}")
 
@@ -328,31 +361,34 @@ def summary(r):
 def main(argv=None):
     args = parse_args(argv)
     cfg, batch_size, seq = config_from(args)
-    impls = [args.impl] + (["plain" if args.impl == "ls2" else "ls2"] if args.compare else [])
-    print(f"{cfg.family}/{args.preset}: batch {batch_size} x {seq}, {args.dtype}, "
+    # with --fp8 the twin is jax_ls2 without FP8, else the other implementation
+    twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")
+    impls = [args.impl] + ([twin] if args.compare and twin != args.impl else [])
+    fp8_text = f", FP8 GEMMs ({cfg.fp8})" if cfg.fp8 is not None else ""
+    print(f"{cfg.family}/{args.preset}: batch {batch_size} x {seq}, {args.dtype}{fp8_text}, "
           f"{args.steps} steps on {jax.devices()[0].device_kind} ({jax.default_backend()})",
           flush=True)
     for impl in impls:
         print(f"implementation {describe_impl(impl)}", flush=True)
-    first = train(args, cfg, batch_size, seq, impl=args.impl,
-                  metrics=metrics_path(args, args.impl))
+    first = train(args, cfg, batch_size, seq, impl=args.impl, label=run_name(args),
+                  metrics=metrics_path(args, run_name(args)))
     print(summary(first), flush=True)
     if not args.compare:
         return first
     first.pop("state")  # frees its buffers before the twin's run, whose memory is measured
-    twin_impl = impls[1]
     ref_model = fm.build(cfg, impl=args.impl, dtype=None, seed=args.seed)
     # the plain-Flax baseline trains with optax.adamw (no jax_ls2 code at all)
-    twin_opt = "optax" if twin_impl == "plain" else args.optimizer
+    twin_opt = "optax" if twin == "plain" else args.optimizer
     twin_args = argparse.Namespace(**{**vars(args), "ckpt_dir": None, "save_every": 0,
-                                      "optimizer": twin_opt})
-    second = train(twin_args, cfg, batch_size, seq, impl=twin_impl, params_from=ref_model,
-                   label=twin_impl, metrics=metrics_path(args, twin_impl))
+                                      "optimizer": twin_opt, "fp8": False})
+    second = train(twin_args, cfg.replace(fp8=None), batch_size, seq, impl=twin, params_from=ref_model,
+                   label=twin, metrics=metrics_path(args, twin))
     print(summary(second), flush=True)
     ls2, base = (first, second) if args.impl == "ls2" else (second, first)
     diff = np.abs(np.asarray(ls2["losses"]) - np.asarray(base["losses"]))
     rel = diff / np.maximum(np.abs(np.asarray(base["losses"])), 1e-12)
-    print(f"speedup (plain / jax_ls2 step time): {base['ms_median'] / ls2['ms_median']:.2f}x "
+    ratio = "jax_ls2 / jax_ls2 FP8" if args.fp8 else "plain / jax_ls2"
+    print(f"speedup ({ratio} step time): {base['ms_median'] / ls2['ms_median']:.2f}x "
           f"(ratio of the median step times above) | loss difference: final {diff[-1]:.2e}, "
           f"max {diff.max():.2e} (max relative {rel.max():.2%})")
     if ls2_implementation() != "cuda":

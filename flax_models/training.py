@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 
 import flax_models as fm
+from jax_ls2.fp8 import FP8Meta
 from jax_ls2.optim import update_nnx
 
 
@@ -62,13 +63,20 @@ def make_step(graphdef):
     """jit(state, batch) -> (state, loss, aux); state donated. With a jax_ls2 optimizer,
     aux["grads_finite"] is the optimizer's () bool report on the step's gradients. Equal
     graphdefs (same model, dtypes and optimizer object) get the same jitted function, so
-    repeated runs in one process compile once."""
+    repeated runs in one process compile once. A model with FP8 layers (``cfg.fp8``) is
+    differentiated with respect to its FP8 metas too, and `update_nnx` steps them by the
+    recipe after the params (the meta updates never reach the optimizer)."""
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
-        (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
+        recipe = model.cfg.fp8
+        if recipe is None:
+            (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
+        else:
+            wrt = nnx.DiffState(0, nnx.Any(nnx.Param, FP8Meta))
+            (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True, argnums=wrt)(model)
         # jax_ls2's fused optimizers write the params in their fused pass (and round
         # stochastically when asked); any other optax transformation goes through opt.update.
-        finite = update_nnx(opt, model, grads)
+        finite = update_nnx(opt, model, grads, fp8=recipe)
         if finite is not None:
             aux = dict(aux, grads_finite=finite)
         return nnx.state((model, opt)), loss, aux
