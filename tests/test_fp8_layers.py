@@ -114,6 +114,35 @@ def test_lowered_train_step_has_fp8_dot_generals_for_every_weight_gemm(decoder):
     assert not _UPCAST.findall(text), _UPCAST.findall(text)[:3]
 
 
+def test_lowered_train_step_in_e4m3_format_has_e4m3_gradients():
+    kinds = _dot_kinds(_lowered_train_step(False, fp8.DelayedScaling(fp8_format="e4m3", amax_history_len=4)))
+    assert kinds[("f8E4M3FN", "f8E4M3FN")] == 3 * ENCODER_GEMMS and not any("f8E5M2" in k for k in kinds), kinds
+
+
+_CUBLASLT_FP8 = '"__cublas$lt$matmul$f8"'
+_COMPILED_UPCAST = re.compile(r"= (?:bf16|f16|f32)\[[^\]]*\](?:\{[^}]*\})? convert\(f8e")
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_train_step_runs_every_weight_gemm_as_a_cublaslt_fp8_gemm():
+    hidden, ffn = 256, 1024
+    layer = ls2.TransformerEncoderLayer(hidden, ffn, 4, fp8=RECIPE, dtype=jnp.bfloat16, deterministic=True,
+                                        rngs=nnx.Rngs(0))
+    graphdef, variables, rest = nnx.split(layer, nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    x = jax.random.normal(jax.random.key(0), (2, 128, hidden), jnp.bfloat16)
+
+    def loss(variables, x):
+        return jnp.sum(nnx.merge(graphdef, variables, rest)(x).astype(jnp.float32) ** 2)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = step.lower(variables, x).compile().as_text()
+    assert text.count(_CUBLASLT_FP8) == 3 * ENCODER_GEMMS, text.count(_CUBLASLT_FP8)
+    assert not _COMPILED_UPCAST.findall(text), _COMPILED_UPCAST.findall(text)[:3]
+    value, (grads, dx) = step(variables, x)
+    assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(dx)))
+    for _, meta in nnx.to_flat_state(fp8.split_meta(grads)[1]):
+        assert np.all(np.asarray(meta.get_value().observed_amax()) > 0)
+
+
 def _step(graphdef, variables, rest, x, c):
     """The metas after one step that observed the layer on (x, c)."""
     def loss(variables):
@@ -217,5 +246,10 @@ def test_linen_wrapper_keeps_the_params_collection():
     assert jax.tree.map(jnp.shape, v8["params"]) == jax.tree.map(jnp.shape, v["params"])
     metas = {k: c for k, c in v8.items() if k != "params"}
     assert len(jax.tree.leaves(metas)) == 3 * ENCODER_GEMMS, jax.tree.map(jnp.shape, metas)
-    y = with_fp8.apply(v8, x)
-    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    assert list(metas) == ["FP8Meta"]
+    grads = jax.grad(lambda v: jnp.sum(with_fp8.apply(v, x) ** 2))(v8)
+    param_grads, stepped = fp8.apply_meta_updates(v8, grads, RECIPE)
+    assert fp8.count_metas(param_grads) == 0 and jax.tree.structure(param_grads["params"]) == \
+        jax.tree.structure(v8["params"])
+    for meta in jax.tree.leaves(stepped["FP8Meta"], is_leaf=fp8.is_meta):
+        assert np.all(np.asarray(meta.amax_history[:, 0]) > 0) and not np.all(np.asarray(meta.scale) == 1.0)

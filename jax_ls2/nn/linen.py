@@ -23,6 +23,13 @@ must be given at call time (or fixed with ``deterministic=`` here). Keyword argu
 call are those of the NNX layer (``padding_mask``, ``causal``, ``memory``, ``cross_kv``,
 ``memory_padding_mask``, ``deterministic``).
 
+With ``fp8=jax_ls2.fp8.DelayedScaling(...)`` the FP8 metas are a collection of their own,
+``"FP8Meta"`` (`jax_ls2.fp8.DotMeta` nodes), beside an unchanged ``params``; differentiate
+the loss with respect to both and step the metas with `jax_ls2.fp8.apply_meta_updates`::
+
+    grads = jax.grad(loss)(variables, batch)   # variables: {"params": ..., "FP8Meta": ...}
+    param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
+
 The building blocks have Linen front ends too: `LayerNorm`, `Embedding` and
 `MultiHeadAttention`, with the arguments of the NNX module of the same name (plus
 ``name``) and its parameter tree::
