@@ -19,6 +19,7 @@ from jax_ls2.optim import _abi
 # The modules (jax_ls2.ops re-exports functions of the same names).
 dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
 layer_norm_ops = importlib.import_module("jax_ls2.ops.layer_norm")
+flash_ops = importlib.import_module("jax_ls2.ops.flash_attention")
 fp8_cast_ops = importlib.import_module("jax_ls2.ops.fp8_cast")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def parse_constants(path: pathlib.Path, prefix: str = "") -> dict:
 @pytest.fixture(scope="module")
 def header():
     consts = {}
-    for name in ("common.cuh", "dropout.h", "layer_norm.h"):
+    for name in ("common.cuh", "dropout.h", "flash_attention.h", "layer_norm.h"):
         consts.update(parse_constants(KERNELS / name))
     consts.update(parse_constants(KERNELS / "optimizer.h", prefix="optim::"))
     return consts
@@ -104,6 +105,8 @@ def _mirrors():
     acts = {"relu": "kActRelu", "gelu": "kActGelu", "gelu_tanh": "kActGeluTanh"}
     for name, code in dropout_ops._ACT_CODE.items():
         rows.append((f"ops.dropout._ACT_CODE[{name!r}]", code, acts[name], same))
+    for i, cpp in enumerate(("kFlashHeadDimSmall", "kFlashHeadDimLarge")):
+        rows.append((f"ops.flash_attention.KERNEL_HEAD_DIMS[{i}]", flash_ops.KERNEL_HEAD_DIMS[i], cpp, same))
     return rows
 
 

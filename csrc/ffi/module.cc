@@ -8,6 +8,7 @@
 #include "ffi/registry.h"
 #include "kernels/common.cuh"
 #include "kernels/dropout.h"
+#include "kernels/flash_attention.h"
 #include "kernels/layer_norm.h"
 #include "kernels/optimizer.h"
 
@@ -28,6 +29,8 @@ py::dict Constants() {
   d["kActRelu"] = static_cast<int>(kActRelu);
   d["kActGelu"] = static_cast<int>(kActGelu);
   d["kActGeluTanh"] = static_cast<int>(kActGeluTanh);
+  d["kFlashHeadDimSmall"] = kFlashHeadDimSmall;
+  d["kFlashHeadDimLarge"] = kFlashHeadDimLarge;
   const std::pair<const char*, int> optim_constants[] = {
       {"kMaxLeaves", optim::kMaxLeaves}, {"kPad", optim::kPad}, {"kNormBlocks", optim::kNormBlocks},
       {"kLr", optim::kLr}, {"kB1", optim::kB1}, {"kB2", optim::kB2}, {"kOneMinusB1", optim::kOneMinusB1},

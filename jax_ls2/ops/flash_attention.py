@@ -48,7 +48,7 @@ def _batch_offset(seed, q_shape):
     """First global batch index of this shard: seed[2] counts the query elements before
     it (0 when unsharded)."""
     b, lq, h, d = q_shape
-    return seed[2] // np.uint32(lq * h * d)
+    return seed[2] // np.uint32(min(lq * h * d, 2**32 - 1))
 
 
 def attention_keep_mask(seed, q_shape, kv_len: int, threshold: int):

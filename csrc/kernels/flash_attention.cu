@@ -1,0 +1,772 @@
+// Flash attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate).
+//
+// Forward, one CTA per (query block, head, batch), each warp 16 query rows: Q stays in
+// registers; key/value blocks stream through shared memory (cp.async, double
+// buffered); S = Q K^T, an online softmax in base 2 (running max m and sum l per row,
+// fp32), O += P V with P taken straight from S's accumulator registers. Dropped
+// probabilities are zeroed after they enter l, and O is scaled by keep_scale / l at
+// the end. Writes O and lse = (m + log2 l) * ln 2 (-inf when l == 0: O is then 0).
+//
+// Backward, three launches and no atomics on dq, dk, dv (deterministic):
+//   1. delta = rowsum(dO * O) - dlse, one warp per row;
+//   2. dq: one CTA per (query block, head, batch), the forward's loop again:
+//      P = exp2(S - lse), dP = dO V^T, dS = P (dP z - delta), dq += dS K, where z is
+//      the dropout factor (keep * keep_scale or 0); dbias += dS by fp32 atomics into a
+//      zeroed buffer of the bias' shape (broadcast dims collide, hence atomics);
+//   3. dk, dv: one CTA per (key block, kv head, batch), each warp 16 keys, looping
+//      over the query heads of the group and the query blocks: S^T = K Q^T,
+//      dP^T = V dO^T, dv += (P z)^T dO, dk += dS^T Q.
+// The lse cotangent enters through delta: d lse_i / d s_ij = p_ij adds dlse_i p_ij to dS.
+//
+// Shared-memory tiles are rows of head_dim elements, their 16-byte chunks XOR-swizzled
+// by the row index (chunk c of row r lives at c ^ (r & 7)), so the 8 row addresses of
+// an ldmatrix hit 8 different bank groups; head_dim must be a multiple of 64.
+// Rows past q_len / kv_len are zero-filled by cp.async and masked to -inf.
+#include <cfloat>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/flash_attention.h"
+
+namespace jax_ls2 {
+namespace {
+
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kWarpRows = 16;  // rows of one m16n8k16 tile, per warp
+
+// Tile shapes: query rows per CTA (16 per warp) and key rows per loop step.
+template <int D>
+struct FwdTile {
+  static constexpr int kWarps = 4, kBQ = kWarps * kWarpRows, kBK = 64;
+};
+template <int D>
+struct DqTile {
+  static constexpr int kWarps = 4, kBQ = kWarps * kWarpRows, kBK = 32;
+};
+template <int D>
+struct DkvTile {
+  static constexpr int kWarps = 4, kBK = kWarps * kWarpRows, kBQ = D == 128 ? 32 : 64;
+};
+constexpr int kDeltaRowsPerBlock = 8;  // one warp per row
+
+// ---------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void Ldsm4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void Ldsm4T(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// c += a b for one 16x8x16 tile; a: 4 registers (16x16, row-major), b: 2 (16x8, col).
+template <typename T>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as a pair of T in one register, lo in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// ---------------------------------------------------------------- shared tiles
+// Element offset of chunk c (8 elements) of row r in a swizzled tile of D columns.
+template <int D>
+__device__ __forceinline__ int Swz(int r, int c) {
+  static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
+  return r * D + ((c ^ (r & 7)) << 3);
+}
+
+// ROWS x D tile from global rows g + r * stride (r < valid rows), rows past them zeroed.
+// `safe` is any valid global address (the source operand of a zero-fill).
+template <typename T, int ROWS, int D, int NT>
+__device__ __forceinline__ void LoadTile(T* tile, const T* g, int64_t stride, int valid, const T* safe) {
+  constexpr int kChunks = D / 8;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += NT) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool ok = r < valid;
+    CpAsync16(SmemAddr(tile + Swz<D>(r, c)), ok ? g + r * stride + c * 8 : safe, ok);
+  }
+}
+
+// A operand (16 rows x 16) of the k-chunk kc from a [row][k] tile, rows r0 ...
+template <int D, typename T>
+__device__ __forceinline__ void LoadA(const T* tile, int r0, int kc, uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31;
+  Ldsm4(SmemAddr(tile + Swz<D>(r0 + (lane & 15), 2 * kc + (lane >> 4))), a);
+}
+// B operands of two n8 tiles (n0 .. n0 + 15), k-chunk kc, from a [n][k] tile:
+// b[0], b[1] for n0 and b[2], b[3] for n0 + 8.
+template <int D, typename T>
+__device__ __forceinline__ void LoadBRows(const T* tile, int n0, int kc, uint32_t (&b)[4]) {
+  const int lane = threadIdx.x & 31;
+  Ldsm4(SmemAddr(tile + Swz<D>(n0 + (lane & 7) + ((lane >> 4) << 3), 2 * kc + ((lane >> 3) & 1))), b);
+}
+// B operands of the two n8 tiles of columns 8 * nc .. 8 * nc + 15, k rows k0 .. k0 + 15,
+// from a [k][n] tile (transposed by ldmatrix): b[0], b[1] for chunk nc, b[2], b[3] for nc + 1.
+template <int D, typename T>
+__device__ __forceinline__ void LoadBCols(const T* tile, int k0, int nc, uint32_t (&b)[4]) {
+  const int lane = threadIdx.x & 31;
+  Ldsm4T(SmemAddr(tile + Swz<D>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), nc + (lane >> 4))), b);
+}
+
+// The A operand of a product whose k dimension is the n dimension of accumulator tiles
+// c[2 * kc] and c[2 * kc + 1] (16 columns), scaled elementwise beforehand as needed.
+template <typename T, int N>
+__device__ __forceinline__ void AccToA(const float (&c)[N][4], int kc, uint32_t (&a)[4]) {
+  a[0] = PackPair<T>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = PackPair<T>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = PackPair<T>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = PackPair<T>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
+// ---------------------------------------------------------------- masks and dropout
+// What a CTA needs to know about (b, h): pointers and the dropout numbering.
+struct RowCtx {
+  const float* bias;      // at (b, h), or nullptr
+  const int32_t* q_seg;   // at b, or nullptr
+  const int32_t* kv_seg;  // at b
+  uint32_t drop_base;     // dropout index of element (b, h, 0, 0)
+  DropoutSeed seed;
+};
+
+__device__ __forceinline__ RowCtx MakeRowCtx(const FlashAttentionProblem& p, int b, int h) {
+  RowCtx c;
+  c.bias = p.bias ? p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] : nullptr;
+  c.q_seg = p.q_seg ? p.q_seg + b * p.q_seg_stride[0] : nullptr;
+  c.kv_seg = p.kv_seg ? p.kv_seg + b * p.kv_seg_stride[0] : nullptr;
+  c.seed = DropoutSeed{0u, 0u, 0u};
+  c.drop_base = 0u;
+  if (p.threshold) {
+    c.seed = DropoutSeed{p.seed[0], p.seed[1], p.seed[2]};
+    const uint64_t per_batch = (uint64_t)p.q_len * p.heads * p.head_dim;
+    const uint32_t first_batch = c.seed.offset / (uint32_t)(per_batch > 0xffffffffull ? 0xffffffffull : per_batch);
+    const uint64_t bh = (uint64_t)b * p.heads + h;
+    c.drop_base = first_batch * (uint32_t)((uint64_t)p.heads * p.q_len * p.kv_len) +
+                  (uint32_t)(bh * (uint64_t)p.q_len * (uint64_t)p.kv_len);
+  }
+  return c;
+}
+
+// Logit (log2 units) of (i, j) from the raw q.k, -inf where masked. `check` false
+// skips the bounds/causal tests for blocks known to be inside.
+__device__ __forceinline__ float Logit2(const FlashAttentionProblem& p, const RowCtx& c, float qk, int i, int j,
+                                        int32_t qs, bool check, float scale2) {
+  float x = qk * scale2;
+  if (check) {
+    if (i >= p.q_len || j >= p.kv_len || (p.causal && j > i + (p.kv_len - p.q_len))) return -INFINITY;
+  }
+  if (c.kv_seg && c.kv_seg[(int64_t)j * p.kv_seg_stride[1]] != qs) return -INFINITY;
+  if (c.bias) x += c.bias[i * p.bias_stride[2] + j * p.bias_stride[3]] * kLog2e;
+  return x;
+}
+
+__device__ __forceinline__ int32_t QSeg(const FlashAttentionProblem& p, const RowCtx& c, int i) {
+  return (c.q_seg && i < p.q_len) ? c.q_seg[(int64_t)i * p.q_seg_stride[1]] : 0;
+}
+
+// Dropout factors of the pair (i, j), (i, j + 1): keep_scale or 0.
+__device__ __forceinline__ void DropPairAlongKeys(const FlashAttentionProblem& p, const RowCtx& c, int i, int j,
+                                                  float& z0, float& z1) {
+  bool keep[2];
+  KeepVec<2>(c.drop_base + (uint32_t)((uint64_t)i * p.kv_len) + (uint32_t)j, c.seed, p.threshold, keep);
+  z0 = keep[0] ? p.keep_scale : 0.f;
+  z1 = keep[1] ? p.keep_scale : 0.f;
+}
+__device__ __forceinline__ float DropOne(const FlashAttentionProblem& p, const RowCtx& c, int i, int j) {
+  const uint32_t g = c.drop_base + (uint32_t)((uint64_t)i * p.kv_len) + (uint32_t)j;
+  return DropoutKeep(g, c.seed, p.threshold) ? p.keep_scale : 0.f;
+}
+
+// Keys a query block q0 .. q0 + rows - 1 can attend: [0, end).
+__device__ __forceinline__ int KeyEnd(const FlashAttentionProblem& p, int q0, int rows) {
+  if (!p.causal) return p.kv_len;
+  return max(0, min(p.kv_len, q0 + rows + (p.kv_len - p.q_len)));
+}
+
+// Whether a (query block, key block) tile needs no bounds or causal test.
+__device__ __forceinline__ bool Inside(const FlashAttentionProblem& p, int q0, int qrows, int n0, int krows) {
+  return q0 + qrows <= p.q_len && n0 + krows <= p.kv_len &&
+         (!p.causal || n0 + krows - 1 <= q0 + (p.kv_len - p.q_len));
+}
+
+// ---------------------------------------------------------------- forward
+template <typename T, int D>
+__global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashAttentionFwdArgs a) {
+  using Tile = FwdTile<D>;
+  constexpr int BQ = Tile::kBQ, BK = Tile::kBK, NT = Tile::kWarps * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + BQ * D;      // 2 buffers
+  T* sV = sK + 2 * BK * D;  // 2 buffers
+  const FlashAttentionProblem& p = a.p;
+  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.heads / p.kv_heads);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const T* Q = static_cast<const T*>(p.q);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const int64_t q_stride = (int64_t)p.heads * D, kv_stride = (int64_t)p.kv_heads * D;
+  const T* gq = Q + ((int64_t)b * p.q_len + q0) * q_stride + (int64_t)h * D;
+  const T* gk = K + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
+  const T* gv = V + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
+
+  const int kv_end = KeyEnd(p, q0, BQ);
+  const int nblocks = (kv_end + BK - 1) / BK;
+  LoadTile<T, BQ, D, NT>(sQ, gq, q_stride, p.q_len - q0, Q);
+  if (nblocks > 0) {
+    LoadTile<T, BK, D, NT>(sK, gk, kv_stride, p.kv_len, K);
+    LoadTile<T, BK, D, NT>(sV, gv, kv_stride, p.kv_len, V);
+  }
+  CpAsyncCommit();
+  CpAsyncWaitAll();
+  __syncthreads();
+
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) LoadA<D>(sQ, warp * kWarpRows, kc, qf[kc]);
+
+  const RowCtx ctx = MakeRowCtx(p, b, h);
+  const int row[2] = {q0 + warp * kWarpRows + g, q0 + warp * kWarpRows + g + 8};
+  const int32_t qs[2] = {QSeg(p, ctx, row[0]), QSeg(p, ctx, row[1])};
+  const float scale2 = p.scale * kLog2e;
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  for (int nb = 0; nb < nblocks; ++nb) {
+    const int buf = nb & 1, n0 = nb * BK;
+    if (nb + 1 < nblocks) {
+      const int next = n0 + BK;
+      LoadTile<T, BK, D, NT>(sK + (buf ^ 1) * BK * D, gk + next * kv_stride, kv_stride, p.kv_len - next, K);
+      LoadTile<T, BK, D, NT>(sV + (buf ^ 1) * BK * D, gv + next * kv_stride, kv_stride, p.kv_len - next, V);
+    }
+    CpAsyncCommit();
+    const T* cK = sK + buf * BK * D;
+    const T* cV = sV + buf * BK * D;
+
+    float s[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+      for (int np = 0; np < BK / 16; ++np) {
+        uint32_t bf[4];
+        LoadBRows<D>(cK, np * 16, kc, bf);
+        Mma<T>(s[2 * np], qf[kc], bf[0], bf[1]);
+        Mma<T>(s[2 * np + 1], qf[kc], bf[2], bf[3]);
+      }
+    }
+
+    const bool check = !Inside(p, q0, BQ, n0, BK);
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        s[n][e] = Logit2(p, ctx, s[n][e], row[r], n0 + n * 8 + 2 * t4 + (e & 1), qs[r], check, scale2);
+      }
+    }
+    // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the warp, spread over a quad.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = Exp2Approx(m[r] - m_use);
+      m[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+        s[n][2 * r] = Exp2Approx(s[n][2 * r] - m_use);
+        s[n][2 * r + 1] = Exp2Approx(s[n][2 * r + 1] - m_use);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+    }
+    if (p.threshold) {
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float z0, z1;
+          DropPairAlongKeys(p, ctx, row[r], n0 + n * 8 + 2 * t4, z0, z1);
+          // keep_scale is applied with 1 / l at the end.
+          s[n][2 * r] = z0 != 0.f ? s[n][2 * r] : 0.f;
+          s[n][2 * r + 1] = z1 != 0.f ? s[n][2 * r + 1] : 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int kc = 0; kc < BK / 16; ++kc) {
+      uint32_t pa[4];
+      AccToA<T>(s, kc, pa);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bf[4];
+        LoadBCols<D>(cV, kc * 16, 2 * dn, bf);
+        Mma<T>(o[2 * dn], pa, bf[0], bf[1]);
+        Mma<T>(o[2 * dn + 1], pa, bf[2], bf[3]);
+      }
+    }
+    CpAsyncWaitAll();
+    __syncthreads();
+  }
+
+  T* out = static_cast<T*>(a.out);
+  const float drop_scale = p.threshold ? p.keep_scale : 1.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int i = row[r];
+    if (i >= p.q_len) continue;
+    const float inv = sum > 0.f ? drop_scale / sum : 0.f;
+    T* orow = out + ((int64_t)b * p.q_len + i) * q_stride + (int64_t)h * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) = PackPair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+    if (t4 == 0) {
+      a.lse[((int64_t)b * p.heads + h) * p.q_len + i] = sum > 0.f ? (m[r] + __log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward: delta
+template <typename T, int D>
+__global__ void __launch_bounds__(kDeltaRowsPerBlock * 32) FlashDeltaKernel(FlashAttentionBwdArgs a) {
+  const FlashAttentionProblem& p = a.p;
+  const int64_t rows = (int64_t)p.batch * p.q_len * p.heads;
+  const int64_t row = (int64_t)blockIdx.x * kDeltaRowsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  // row = (b * q_len + i) * heads + h, the layout of out and dout.
+  const T* o = static_cast<const T*>(a.out) + row * D;
+  const T* d = static_cast<const T*>(a.dout) + row * D;
+  constexpr int kPer = D / 32;
+  float of[kPer], df[kPer];
+  LoadFloats<T, kPer>(o + lane * kPer, of);
+  LoadFloats<T, kPer>(d + lane * kPer, df);
+  float acc = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) acc += of[e] * df[e];
+  acc = WarpSum(acc);
+  if (lane == 0) {
+    const int h = (int)(row % p.heads);
+    const int64_t bi = row / p.heads;
+    const int i = (int)(bi % p.q_len);
+    const int64_t b = bi / p.q_len;
+    const int64_t at = (b * p.heads + h) * p.q_len + i;
+    a.delta[at] = acc - a.dlse[at];
+  }
+}
+
+// Per-row backward statistics in log2 units: lse2 = lse * log2(e) (+inf for a row with
+// no attended key, so its probabilities are exp2(-inf) = 0), and delta.
+__device__ __forceinline__ float Lse2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
+// ---------------------------------------------------------------- backward: dq (and dbias)
+template <typename T, int D>
+__global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAttentionBwdArgs a) {
+  using Tile = DqTile<D>;
+  constexpr int BQ = Tile::kBQ, BK = Tile::kBK, NT = Tile::kWarps * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sO = sQ + BQ * D;      // dout
+  T* sK = sO + BQ * D;      // 2 buffers
+  T* sV = sK + 2 * BK * D;  // 2 buffers
+  const FlashAttentionProblem& p = a.p;
+  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.heads / p.kv_heads);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const T* Q = static_cast<const T*>(p.q);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const T* DO = static_cast<const T*>(a.dout);
+  const int64_t q_stride = (int64_t)p.heads * D, kv_stride = (int64_t)p.kv_heads * D;
+  const int64_t q_at = ((int64_t)b * p.q_len + q0) * q_stride + (int64_t)h * D;
+  const T* gk = K + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
+  const T* gv = V + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
+
+  const int kv_end = KeyEnd(p, q0, BQ);
+  const int nblocks = (kv_end + BK - 1) / BK;
+  LoadTile<T, BQ, D, NT>(sQ, Q + q_at, q_stride, p.q_len - q0, Q);
+  LoadTile<T, BQ, D, NT>(sO, DO + q_at, q_stride, p.q_len - q0, DO);
+  if (nblocks > 0) {
+    LoadTile<T, BK, D, NT>(sK, gk, kv_stride, p.kv_len, K);
+    LoadTile<T, BK, D, NT>(sV, gv, kv_stride, p.kv_len, V);
+  }
+  CpAsyncCommit();
+  CpAsyncWaitAll();
+  __syncthreads();
+
+  uint32_t qf[D / 16][4], df[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    LoadA<D>(sQ, warp * kWarpRows, kc, qf[kc]);
+    LoadA<D>(sO, warp * kWarpRows, kc, df[kc]);
+  }
+
+  const RowCtx ctx = MakeRowCtx(p, b, h);
+  const int row[2] = {q0 + warp * kWarpRows + g, q0 + warp * kWarpRows + g + 8};
+  const int32_t qs[2] = {QSeg(p, ctx, row[0]), QSeg(p, ctx, row[1])};
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t at = ((int64_t)b * p.heads + h) * p.q_len + row[r];
+    lse2[r] = row[r] < p.q_len ? Lse2(a.lse[at]) : INFINITY;
+    delta[r] = row[r] < p.q_len ? a.delta[at] : 0.f;
+  }
+  const float scale2 = p.scale * kLog2e;
+  float dq[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+
+  for (int nb = 0; nb < nblocks; ++nb) {
+    const int buf = nb & 1, n0 = nb * BK;
+    if (nb + 1 < nblocks) {
+      const int next = n0 + BK;
+      LoadTile<T, BK, D, NT>(sK + (buf ^ 1) * BK * D, gk + next * kv_stride, kv_stride, p.kv_len - next, K);
+      LoadTile<T, BK, D, NT>(sV + (buf ^ 1) * BK * D, gv + next * kv_stride, kv_stride, p.kv_len - next, V);
+    }
+    CpAsyncCommit();
+    const T* cK = sK + buf * BK * D;
+    const T* cV = sV + buf * BK * D;
+
+    float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+    }
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+      for (int np = 0; np < BK / 16; ++np) {
+        uint32_t bf[4];
+        LoadBRows<D>(cK, np * 16, kc, bf);
+        Mma<T>(s[2 * np], qf[kc], bf[0], bf[1]);
+        Mma<T>(s[2 * np + 1], qf[kc], bf[2], bf[3]);
+        LoadBRows<D>(cV, np * 16, kc, bf);
+        Mma<T>(dp[2 * np], df[kc], bf[0], bf[1]);
+        Mma<T>(dp[2 * np + 1], df[kc], bf[2], bf[3]);
+      }
+    }
+    const bool check = !Inside(p, q0, BQ, n0, BK);
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = row[r], j = n0 + n * 8 + 2 * t4;
+        float z0 = 1.f, z1 = 1.f;
+        if (p.threshold) DropPairAlongKeys(p, ctx, i, j, z0, z1);
+        const float p0 = Exp2Approx(Logit2(p, ctx, s[n][2 * r], i, j, qs[r], check, scale2) - lse2[r]);
+        const float p1 = Exp2Approx(Logit2(p, ctx, s[n][2 * r + 1], i, j + 1, qs[r], check, scale2) - lse2[r]);
+        const float ds0 = p0 * (dp[n][2 * r] * z0 - delta[r]);
+        const float ds1 = p1 * (dp[n][2 * r + 1] * z1 - delta[r]);
+        s[n][2 * r] = ds0;
+        s[n][2 * r + 1] = ds1;
+        if (ctx.bias != nullptr && i < p.q_len) {
+          float* db = a.dbias + b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2];
+          if (j < p.kv_len && ds0 != 0.f) atomicAdd(db + j * p.bias_stride[3], ds0);
+          if (j + 1 < p.kv_len && ds1 != 0.f) atomicAdd(db + (j + 1) * p.bias_stride[3], ds1);
+        }
+      }
+    }
+#pragma unroll
+    for (int kc = 0; kc < BK / 16; ++kc) {
+      uint32_t pa[4];
+      AccToA<T>(s, kc, pa);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bf[4];
+        LoadBCols<D>(cK, kc * 16, 2 * dn, bf);
+        Mma<T>(dq[2 * dn], pa, bf[0], bf[1]);
+        Mma<T>(dq[2 * dn + 1], pa, bf[2], bf[3]);
+      }
+    }
+    CpAsyncWaitAll();
+    __syncthreads();
+  }
+
+  T* out = static_cast<T*>(a.dq);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row[r];
+    if (i >= p.q_len) continue;
+    T* orow = out + ((int64_t)b * p.q_len + i) * q_stride + (int64_t)h * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) =
+          PackPair<T>(dq[n][2 * r] * p.scale, dq[n][2 * r + 1] * p.scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward: dk, dv
+template <typename T, int D>
+__global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashAttentionBwdArgs a) {
+  using Tile = DkvTile<D>;
+  constexpr int BK = Tile::kBK, BQ = Tile::kBQ, NT = Tile::kWarps * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + BK * D;
+  T* sQ = sV + BK * D;      // 2 buffers
+  T* sO = sQ + 2 * BQ * D;  // dout, 2 buffers
+  float* sL = reinterpret_cast<float*>(sO + 2 * BQ * D);  // lse2, 2 buffers
+  float* sD = sL + 2 * BQ;                                // delta, 2 buffers
+  const FlashAttentionProblem& p = a.p;
+  const int n0 = blockIdx.x * BK, hk = blockIdx.y, b = blockIdx.z;
+  const int groups = p.heads / p.kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const T* Q = static_cast<const T*>(p.q);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const T* DO = static_cast<const T*>(a.dout);
+  const int64_t q_stride = (int64_t)p.heads * D, kv_stride = (int64_t)p.kv_heads * D;
+  const int64_t kv_at = ((int64_t)b * p.kv_len + n0) * kv_stride + (int64_t)hk * D;
+
+  // Queries that can attend this key block: [q_start, q_len).
+  const int q_start = p.causal ? max(0, n0 - (p.kv_len - p.q_len)) : 0;
+  const int first_qb = q_start / BQ;
+  const int qblocks = q_start < p.q_len ? (p.q_len + BQ - 1) / BQ - first_qb : 0;
+  const int steps = qblocks * groups;
+
+  // Step s: head hk * groups + s / qblocks, query block first_qb + s % qblocks.
+  auto issue = [&](int step, int buf) {
+    const int h = hk * groups + step / qblocks;
+    const int qq = (first_qb + step % qblocks) * BQ;
+    const int64_t q_at = ((int64_t)b * p.q_len + qq) * q_stride + (int64_t)h * D;
+    LoadTile<T, BQ, D, NT>(sQ + buf * BQ * D, Q + q_at, q_stride, p.q_len - qq, Q);
+    LoadTile<T, BQ, D, NT>(sO + buf * BQ * D, DO + q_at, q_stride, p.q_len - qq, DO);
+    for (int r = threadIdx.x; r < BQ; r += NT) {
+      const int i = qq + r;
+      const int64_t at = ((int64_t)b * p.heads + h) * p.q_len + i;
+      sL[buf * BQ + r] = i < p.q_len ? Lse2(a.lse[at]) : INFINITY;
+      sD[buf * BQ + r] = i < p.q_len ? a.delta[at] : 0.f;
+    }
+  };
+
+  LoadTile<T, BK, D, NT>(sK, K + kv_at, kv_stride, p.kv_len - n0, K);
+  LoadTile<T, BK, D, NT>(sV, V + kv_at, kv_stride, p.kv_len - n0, V);
+  if (steps > 0) issue(0, 0);
+  CpAsyncCommit();
+  CpAsyncWaitAll();
+  __syncthreads();
+
+  const float scale2 = p.scale * kLog2e;
+  const int key[2] = {n0 + warp * kWarpRows + g, n0 + warp * kWarpRows + g + 8};
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+  }
+
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < steps) issue(step + 1, buf ^ 1);
+    CpAsyncCommit();
+    const int h = hk * groups + step / qblocks;
+    const int qq = (first_qb + step % qblocks) * BQ;
+    const T* cQ = sQ + buf * BQ * D;
+    const T* cO = sO + buf * BQ * D;
+    const float* cL = sL + buf * BQ;
+    const float* cD = sD + buf * BQ;
+    const RowCtx ctx = MakeRowCtx(p, b, h);
+
+    // S^T (keys x queries) and dP^T.
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+      st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+      dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.f;
+    }
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t ka[4], va[4];
+      LoadA<D>(sK, warp * kWarpRows, kc, ka);
+      LoadA<D>(sV, warp * kWarpRows, kc, va);
+#pragma unroll
+      for (int np = 0; np < BQ / 16; ++np) {
+        uint32_t bf[4];
+        LoadBRows<D>(cQ, np * 16, kc, bf);
+        Mma<T>(st[2 * np], ka, bf[0], bf[1]);
+        Mma<T>(st[2 * np + 1], ka, bf[2], bf[3]);
+        LoadBRows<D>(cO, np * 16, kc, bf);
+        Mma<T>(dpt[2 * np], va, bf[0], bf[1]);
+        Mma<T>(dpt[2 * np + 1], va, bf[2], bf[3]);
+      }
+    }
+    // Element e of tile n: key key[e >> 1], query qq + 8 n + 2 t4 + (e & 1).
+    const bool check = !Inside(p, qq, BQ, n0, BK);
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = n * 8 + 2 * t4 + (e & 1);
+        const int i = qq + c, j = key[e >> 1];
+        const float pr = Exp2Approx(Logit2(p, ctx, st[n][e], i, j, QSeg(p, ctx, i), check, scale2) - cL[c]);
+        const float z = p.threshold ? DropOne(p, ctx, i, j) : 1.f;
+        st[n][e] = pr * z;                        // (P z)^T, for dv
+        dpt[n][e] = pr * (dpt[n][e] * z - cD[c]);  // dS^T, for dk
+      }
+    }
+#pragma unroll
+    for (int kc = 0; kc < BQ / 16; ++kc) {
+      uint32_t pa[4], sa[4];
+      AccToA<T>(st, kc, pa);
+      AccToA<T>(dpt, kc, sa);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bf[4];
+        LoadBCols<D>(cO, kc * 16, 2 * dn, bf);
+        Mma<T>(dv[2 * dn], pa, bf[0], bf[1]);
+        Mma<T>(dv[2 * dn + 1], pa, bf[2], bf[3]);
+        LoadBCols<D>(cQ, kc * 16, 2 * dn, bf);
+        Mma<T>(dk[2 * dn], sa, bf[0], bf[1]);
+        Mma<T>(dk[2 * dn + 1], sa, bf[2], bf[3]);
+      }
+    }
+    CpAsyncWaitAll();
+    __syncthreads();
+  }
+
+  T* gdk = static_cast<T*>(a.dk);
+  T* gdv = static_cast<T*>(a.dv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key[r];
+    if (j >= p.kv_len) continue;
+    const int64_t at = ((int64_t)b * p.kv_len + j) * kv_stride + (int64_t)hk * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(gdk + at + n * 8 + 2 * t4) =
+          PackPair<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(gdv + at + n * 8 + 2 * t4) = PackPair<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- launchers
+// Opts a kernel in to `smem` bytes of dynamic shared memory (once per kernel) and launches it.
+template <typename Args>
+cudaError_t LaunchWithSmem(void (*kernel)(Args), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                           const Args& args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t Fwd(const FlashAttentionFwdArgs& a, cudaStream_t stream) {
+  using Tile = FwdTile<D>;
+  const size_t smem = (size_t)(Tile::kBQ + 4 * Tile::kBK) * D * sizeof(T);
+  const dim3 grid((a.p.q_len + Tile::kBQ - 1) / Tile::kBQ, a.p.heads, a.p.batch);
+  return LaunchWithSmem(FlashFwdKernel<T, D>, grid, Tile::kWarps * 32, smem, stream, a);
+}
+
+template <typename T, int D>
+cudaError_t Bwd(const FlashAttentionBwdArgs& a, cudaStream_t stream) {
+  const FlashAttentionProblem& p = a.p;
+  const int64_t rows = (int64_t)p.batch * p.q_len * p.heads;
+  const dim3 delta_grid((unsigned)((rows + kDeltaRowsPerBlock - 1) / kDeltaRowsPerBlock));
+  cudaError_t err = LaunchWithSmem(FlashDeltaKernel<T, D>, delta_grid, kDeltaRowsPerBlock * 32, 0, stream, a);
+  if (err != cudaSuccess) return err;
+  if (a.dbias != nullptr && a.dbias_count > 0) {
+    err = cudaMemsetAsync(a.dbias, 0, a.dbias_count * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  using DqT = DqTile<D>;
+  const size_t dq_smem = (size_t)(2 * DqT::kBQ + 4 * DqT::kBK) * D * sizeof(T);
+  const dim3 dq_grid((p.q_len + DqT::kBQ - 1) / DqT::kBQ, p.heads, p.batch);
+  err = LaunchWithSmem(FlashDqKernel<T, D>, dq_grid, DqT::kWarps * 32, dq_smem, stream, a);
+  if (err != cudaSuccess) return err;
+  using KvT = DkvTile<D>;
+  const size_t kv_smem = (size_t)(2 * KvT::kBK + 4 * KvT::kBQ) * D * sizeof(T) + 4 * KvT::kBQ * sizeof(float);
+  const dim3 kv_grid((p.kv_len + KvT::kBK - 1) / KvT::kBK, p.kv_heads, p.batch);
+  return LaunchWithSmem(FlashDkvKernel<T, D>, kv_grid, KvT::kWarps * 32, kv_smem, stream, a);
+}
+
+}  // namespace
+
+bool FlashAttentionSupportsHeadDim(int head_dim) {
+  return head_dim == kFlashHeadDimSmall || head_dim == kFlashHeadDimLarge;
+}
+
+template <typename T>
+cudaError_t LaunchFlashAttentionFwd(const FlashAttentionFwdArgs& a, cudaStream_t stream) {
+  if (a.p.head_dim == kFlashHeadDimSmall) return Fwd<T, kFlashHeadDimSmall>(a, stream);
+  if (a.p.head_dim == kFlashHeadDimLarge) return Fwd<T, kFlashHeadDimLarge>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t LaunchFlashAttentionBwd(const FlashAttentionBwdArgs& a, cudaStream_t stream) {
+  if (a.p.head_dim == kFlashHeadDimSmall) return Bwd<T, kFlashHeadDimSmall>(a, stream);
+  if (a.p.head_dim == kFlashHeadDimLarge) return Bwd<T, kFlashHeadDimLarge>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+template cudaError_t LaunchFlashAttentionFwd<__half>(const FlashAttentionFwdArgs&, cudaStream_t);
+template cudaError_t LaunchFlashAttentionFwd<__nv_bfloat16>(const FlashAttentionFwdArgs&, cudaStream_t);
+template cudaError_t LaunchFlashAttentionBwd<__half>(const FlashAttentionBwdArgs&, cudaStream_t);
+template cudaError_t LaunchFlashAttentionBwd<__nv_bfloat16>(const FlashAttentionBwdArgs&, cudaStream_t);
+
+}  // namespace jax_ls2
