@@ -6,11 +6,13 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_ls2.fp8 import fp8_dot
+from jax_ls2.fp8 import DelayedScaling, fp8_dot
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 # The oldest CUDA compute capability with FP8 GEMMs (Ada, sm_89).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+# cuBLASLt's FP8 GEMMs take K and N (the contracted and the output dims) in multiples of 16.
+FP8_DIM_MULTIPLE = 16
 
 
 def check_rate(owner: str, name: str, rate: float) -> float:
@@ -70,6 +72,25 @@ class FP8Gemm:
     def __call__(self, x, kernel, dtype):
         return fp8_dot(x, kernel, self.meta, self.recipe, dtype=promoted_dtype(dtype, x, kernel),
                        amax_axes=self.amax_axes)
+
+
+def check_fp8(owner: str, recipe, amax_axes, dims: dict) -> tuple:
+    """Checks a layer's ``fp8`` (None or a DelayedScaling) and ``fp8_amax_axes``, and with
+    fp8 that each of ``dims`` ({name: size}, the K and N dims of the layer's GEMMs) is a
+    multiple of `FP8_DIM_MULTIPLE`. Returns the axes as a tuple."""
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    if not isinstance(amax_axes, (tuple, list)) or not all(isinstance(a, str) for a in amax_axes):
+        raise TypeError(f"{owner}: fp8_amax_axes must be a tuple of mesh axis names, got {amax_axes!r}")
+    if recipe is None:
+        return tuple(amax_axes)
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"{owner}: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got {type(recipe).__name__}")
+    for name, size in dims.items():
+        if size % FP8_DIM_MULTIPLE:
+            raise ValueError(f"{owner}: fp8 needs {name} to be a multiple of {FP8_DIM_MULTIPLE} (the K and N "
+                             f"dims of its FP8 GEMMs, as cuBLASLt takes them), got {size}")
+    return tuple(amax_axes)
 
 
 def check_fp8_device(owner: str) -> None:

@@ -23,7 +23,7 @@ from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
+from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
                                 matmul, promoted_dtype, resolve_deterministic, rng_stream)
 
 BACKENDS = ("auto", "cudnn", "fused", "xla")
@@ -147,16 +147,13 @@ class MultiHeadAttention(nnx.Module):
             self.kv = nnx.Linear(hidden_size, 2 * hidden_size, **kw)
         self.out = nnx.Linear(hidden_size, hidden_size, **kw)
         self.rngs = rng_stream(rngs)
+        self.fp8 = fp8
+        self.fp8_amax_axes = check_fp8("MultiHeadAttention", fp8, fp8_amax_axes, {"hidden_size": hidden_size})
         if fp8 is not None:
-            self._setup_fp8(fp8, fp8_amax_axes)
+            self._setup_fp8(fp8)
 
-    def _setup_fp8(self, recipe, amax_axes):
-        from jax_ls2.nn.config import FP8_DIM_MULTIPLE, _check_fp8  # noqa: PLC0415 (config imports this module)
-        self.fp8_amax_axes = _check_fp8("MultiHeadAttention", {
-            "fp8": recipe, "fp8_amax_axes": amax_axes, "hidden_size": self.hidden_size,
-            "ffn_size": FP8_DIM_MULTIPLE})
+    def _setup_fp8(self, recipe):
         check_fp8_device("MultiHeadAttention")
-        self.fp8 = recipe
         if self.self_attention:
             self.qkv_fp8 = nnx.List([FP8DotMeta(recipe) for _ in range(3)])
         else:
@@ -166,7 +163,7 @@ class MultiHeadAttention(nnx.Module):
     def _fp8_gemm(self, name: str, i: int | None = None):
         """The `FP8Gemm` of the projection ``name`` ("qkv" part i, "q", "kv", "out"), or
         None without fp8."""
-        if getattr(self, "fp8", None) is None:
+        if self.fp8 is None:
             return None
         meta = getattr(self, f"{name}_fp8")
         return FP8Gemm(meta if i is None else meta[i], self.fp8, self.fp8_amax_axes)
@@ -174,7 +171,7 @@ class MultiHeadAttention(nnx.Module):
     def project_kv(self, memory):
         """Cross-attention keys and values: ``memory @ kv.kernel + kv.bias``, memory
         (..., hidden) -> (..., 2*hidden)."""
-        if getattr(self, "fp8", None) is None:
+        if self.fp8 is None:
             return self.kv(memory)
         y, b = matmul(memory, self.kv, self.dtype, self._fp8_gemm("kv"))
         return y + b
@@ -192,7 +189,7 @@ class MultiHeadAttention(nnx.Module):
         the same activations, see `context`)."""
         kernel, bias = linear.kernel[...], linear.bias[...]
         h = self.hidden_size
-        if getattr(self, "fp8", None) is not None:
+        if self.fp8 is not None:
             # One FP8 GEMM (and meta) per part, each quantizing its own kernel slice.
             dtype = promoted_dtype(self.dtype, *xs, kernel, bias)
             bias = bias.astype(dtype)
@@ -237,7 +234,7 @@ class MultiHeadAttention(nnx.Module):
         if self.self_attention:
             q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:
-            if getattr(self, "fp8", None) is None:
+            if self.fp8 is None:
                 q = self.q(x)
             else:
                 q, q_bias = matmul(x, self.q, self.dtype, self._fp8_gemm("q"))

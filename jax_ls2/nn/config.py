@@ -16,8 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_ls2.fp8.recipe import DelayedScaling
-from jax_ls2.nn._common import check_activation, check_heads, check_rate
+from jax_ls2.nn._common import check_activation, check_fp8, check_heads, check_rate
 from jax_ls2.nn.attention import BACKENDS
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
@@ -127,31 +126,9 @@ def _checked(owner: str, f: dict) -> dict:
                         f"{type(f['deterministic']).__name__}")
     _check_dtype(owner, "dtype", f["dtype"], allow_none=True)
     _check_dtype(owner, "param_dtype", f["param_dtype"], allow_none=False)
-    f["fp8_amax_axes"] = _check_fp8(owner, f)
+    f["fp8_amax_axes"] = check_fp8(owner, f["fp8"], f["fp8_amax_axes"],
+                                   {"hidden_size": f["hidden_size"], "ffn_size": f["ffn_size"]})
     return f
-
-
-# cuBLASLt's FP8 GEMMs take K and N (the contracted and the output dims) in multiples of 16.
-FP8_DIM_MULTIPLE = 16
-
-
-def _check_fp8(owner: str, f: dict) -> tuple:
-    """Checks ``fp8`` and ``fp8_amax_axes``; returns the axes as a tuple."""
-    recipe, axes = f["fp8"], f["fp8_amax_axes"]
-    if isinstance(axes, str):
-        axes = (axes,)
-    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes):
-        raise TypeError(f"{owner}: fp8_amax_axes must be a tuple of mesh axis names, got {axes!r}")
-    if recipe is None:
-        return tuple(axes)
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"{owner}: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got "
-                        f"{type(recipe).__name__}")
-    for name in ("hidden_size", "ffn_size"):
-        if f[name] % FP8_DIM_MULTIPLE:
-            raise ValueError(f"{owner}: fp8 needs {name} to be a multiple of {FP8_DIM_MULTIPLE} (the K and N "
-                             f"dims of its FP8 GEMMs, as cuBLASLt takes them), got {f[name]}")
-    return tuple(axes)
 
 
 def layer_config(owner: str, hidden_size, ffn_size, num_heads, options: dict) -> LayerConfig:
