@@ -1,15 +1,18 @@
 """Train-step benchmark of the zoo: jax_ls2 models against their plain-Flax twins.
 
-    python bench/bench_models.py --out bench/results            # standard shapes (GPU)
-    python bench/bench_models.py --out /tmp/b --quick           # smaller shapes
-    python bench/bench_models.py --out /tmp/b --smoke           # tiny presets, any backend
+    python -m bench.bench_models --out bench/results            # standard shapes (GPU)
+    python -m bench.bench_models --out /tmp/b --quick           # smaller shapes
+    python -m bench.bench_models --out /tmp/b --smoke           # tiny presets, any backend
+    python -m bench.bench_models --out /tmp/b --impls ls2 ls2-fp8   # FP8 against bf16 jax_ls2
 
 Both forms run with their best settings: bf16 compute with fp32 params, cuDNN attention
 where it applies (no attention dropout, sequence lengths multiples of 64), jax_ls2 fused
 optimizer for jax_ls2 and optax.adamw for the plain twin. Each (model, impl) runs in a
 fresh subprocess so peak-memory figures do not mix. Timing: warm-up steps, then groups
 of 5 steps enqueued back to back and timed to ``block_until_ready`` of the last; median,
-p20, p80 over the groups of ``--steps`` (>= 20) steps, per step.
+p20, p80 over the groups of ``--steps`` (>= 20) steps, per step. ``ls2-fp8`` runs the
+jax_ls2 model with its Transformer layers' weight GEMMs in FP8 (``DelayedScaling()``);
+its rows also carry ``speedup_vs_ls2``, over the bf16 jax_ls2 run.
 MFU is against 790 TFLOP/s (H200 dense bf16) with analytic FLOPs (6 x matmul params x
 tokens, plus attention: 12 x layers x hidden x keys per query token, half under causal
 masks). Writes ``models_<date>.csv`` (and a PNG when matplotlib is present) to --out.
@@ -27,6 +30,8 @@ import time
 
 PEAK_FLOPS = 790e12
 GROUP = 5  # steps per timed group (--group)
+IMPLS = ("plain", "ls2", "ls2-fp8")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (family, preset, batch, seq, dropout[, config overrides]); seq 0 = images;
 # `dropout` sets every dropout rate the overrides do not.
 MODELS = {
@@ -85,8 +90,12 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
         "hidden_dropout": dropout, "attn_dropout": dropout,
         "activation_dropout": 0.0 if family in ("bert", "gpt", "vit") else dropout, **overrides})
     seq = seq or cfg.max_len
-    tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl == "ls2")
-    graphdef, state = training.create(cfg, impl=impl, dtype=jnp.bfloat16, seed=0, tx=tx)
+    if impl == "ls2-fp8":
+        from jax_ls2.fp8 import DelayedScaling
+        cfg = cfg.replace(fp8=DelayedScaling())
+    tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl != "plain")
+    graphdef, state = training.create(cfg, impl="plain" if impl == "plain" else "ls2", dtype=jnp.bfloat16, seed=0,
+                                      tx=tx)
     step = training.make_step(graphdef)
     batches = [jax.device_put(data.make_batch(cfg, 0, i, batch, seq)) for i in range(4)]
     for i in range(warmup):
@@ -245,6 +254,8 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=GROUP, help="steps enqueued between waits")
     p.add_argument("--quick", action="store_true", help="smaller batches")
     p.add_argument("--smoke", action="store_true", help="tiny presets (checks the script)")
+    p.add_argument("--impls", nargs="+", default=["plain", "ls2"], choices=IMPLS,
+                   help="ls2-fp8: jax_ls2 with the layers' weight GEMMs in FP8 (DelayedScaling())")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 20 and not args.smoke:
@@ -259,11 +270,11 @@ def main(argv=None):
     rows, commit = [], git_commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     for name in args.models:
-        for impl in ("plain", "ls2"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,
+        for impl in args.impls:
+            cmd = [sys.executable, "-m", "bench.bench_models", "--out", args.out, "--one", name,
                    impl, "--steps", str(args.steps), "--warmup", str(args.warmup), "--group", str(args.group)]
             cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if os.environ.get("JAX_LS2_PROFILE_TOP") or os.environ.get("JAX_LS2_PROFILE_HLO"):
                 print(f"---- {name}/{impl}\n" + "\n".join(
@@ -279,14 +290,14 @@ def main(argv=None):
                   f"peak {r['peak_mem_gb']:.2f} GB, host dispatch {r['host_ms']:.2f} ms a step", flush=True)
         path = write_csv(rows, args.out, date, args.quick, args.smoke)
     png = chart(rows, path[:-4] + ".png") if rows else None
-    print(f"{'model':<21}{'shape':<44}{'impl':<7}{'ms':>9}{'units/s':>12}{'MFU':>7}"
+    print(f"{'model':<21}{'shape':<44}{'impl':<8}{'ms':>9}{'units/s':>12}{'MFU':>7}"
           f"{'peak GB':>9}{'speedup':>9}")
     for r in rows:
-        print(f"{r['model']:<21}{r['shape']:<44}{r['impl']:<7}{r['ms_median']:>9.2f}"
+        print(f"{r['model']:<21}{r['shape']:<44}{r['impl']:<8}{r['ms_median']:>9.2f}"
               f"{r['tokens_per_s']:>12,.0f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>9.2f}"
-              f"{r['speedup']:>8.2f}x")
+              f"{r['speedup']:>8.2f}x" + (f" ({r['speedup_vs_ls2']:.2f}x ls2)" if "speedup_vs_ls2" in r else ""))
     print(f"wrote {path}" + (f" and {png}" if png else ""))
-    if len(rows) < 2 * len(args.models):
+    if len(rows) < len(args.impls) * len(args.models):
         sys.exit(1)
 
 
@@ -295,9 +306,12 @@ def write_csv(rows, out, date, quick, smoke):
     for r in rows:
         base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
         r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
+        bf16 = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "ls2"), None)
+        if r["impl"] == "ls2-fp8" and bf16:
+            r["speedup_vs_ls2"] = bf16["ms_median"] / r["ms_median"]
     fields = ["model", "shape", "dtype", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
-              "unit", "mfu", "peak_mem_gb", "speedup", "optimizer", "loss", "group", "host_ms", "gpu", "jax_version",
-              "git_commit", "date"]
+              "unit", "mfu", "peak_mem_gb", "speedup", "speedup_vs_ls2", "optimizer", "loss", "group", "host_ms",
+              "gpu", "jax_version", "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
                              f"{'_smoke' if smoke else ''}.csv")
     with open(path, "w", newline="") as f:
