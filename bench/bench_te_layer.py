@@ -105,23 +105,25 @@ def ls2_step(shape, fp8: bool):
                              activation="gelu", attention_backend="cudnn" if jax.default_backend() == "gpu" else "xla",
                              dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
                              **({"fp8": recipe} if fp8 else {}))
-    if fp8:
-        graphdef, diff, rest = nnx.split(layer, nnx.Any(nnx.Param, ls2_fp8.FP8Meta), ...)
-    else:
-        graphdef, diff, rest = nnx.split(layer, nnx.Param, ...)
+    if not fp8:
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-    def step(diff, x, dy):
-        def f(diff, x):
-            return nnx.merge(graphdef, diff, rest)(x, deterministic=True)
+        def step(params, x, dy):
+            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x, deterministic=True), params, x)
+            return vjp(dy)
 
-        y, vjp = jax.vjp(f, diff, x)
-        grads, dx = vjp(dy)
-        if not fp8:
-            return grads, dx
-        param_grads, meta_updates = ls2_fp8.split_meta(grads)
-        return param_grads, ls2_fp8.update_meta(diff, meta_updates, recipe), dx
+        return step, params
 
-    return step, diff
+    graphdef, params, metas, rest = nnx.split(layer, nnx.Param, ls2_fp8.FP8Meta, ...)
+
+    def fp8_step(state, x, dy):
+        params, metas = state
+        y, vjp = jax.vjp(lambda p, m, x: nnx.merge(graphdef, p, m, rest)(x, deterministic=True), params, metas, x)
+        param_grads, meta_grads, dx = vjp(dy)
+        _, new_metas = ls2_fp8.apply_meta_updates(metas, meta_grads, recipe)
+        return param_grads, new_metas, dx
+
+    return fp8_step, (params, metas)
 
 
 def run_one(impl: str, shape: dict, reps: int) -> dict:
