@@ -60,13 +60,14 @@ def _meta_updates(module, *args, **kw):
     return fp8.split_meta(nnx.grad(loss, argnums=WRT)(module))[1]
 
 
-@pytest.mark.parametrize("batched_cross_kv", [True, False])
-def test_every_gemm_records_its_own_amaxes_in_the_stacks(batched_cross_kv):
+@pytest.mark.parametrize("batched_cross_kv, remat", [(True, False), (False, True)])
+def test_every_gemm_records_its_own_amaxes_in_the_stacks(batched_cross_kv, remat):
     x, _ = _inputs(2, 8)
     memory, _ = _inputs(2, 5, seed=1)
-    enc = ls2.TransformerEncoder(2, HIDDEN, FFN, HEADS, pre_layer_norm=False, fp8=RECIPE, rngs=nnx.Rngs(0))
+    enc = ls2.TransformerEncoder(2, HIDDEN, FFN, HEADS, pre_layer_norm=False, fp8=RECIPE, remat=remat,
+                                 rngs=nnx.Rngs(0))
     dec = ls2.TransformerDecoder(2, HIDDEN, FFN, HEADS, fp8=RECIPE, batched_cross_kv=batched_cross_kv,
-                                 rngs=nnx.Rngs(1))
+                                 remat=remat, rngs=nnx.Rngs(1))
     for updates, gemms in ((_meta_updates(enc, x), 2 * ENCODER_GEMMS),
                            (_meta_updates(dec, x, memory), 2 * DECODER_GEMMS)):
         observed = [v.get_value().observed_amax() for _, v in nnx.to_flat_state(updates)]
