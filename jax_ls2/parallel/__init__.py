@@ -12,16 +12,20 @@ column-parallel GEMM, reduce-scatter after the row-parallel one).
 `VocabParallelEmbed` splits the embedding table by vocabulary (its ``attend`` is the tied
 output head), and `vocab_parallel_cross_entropy` is ``ops.cross_entropy`` on logits split
 by vocabulary, inside ``shard_map``, never gathering them. `pipeline` runs a stage
-function as a GPipe pipeline over the ``pipe`` axis inside ``shard_map``.
+function as a GPipe pipeline over the ``pipe`` axis inside ``shard_map``. `ring_attention`
+is attention over a sequence split across the ``seq`` axis (ring self-attention, or flash
+attention blocks merged around the ring), with `zigzag_permute` for its balanced layout.
 """
 from jax_ls2.parallel.cross_entropy import vocab_parallel_cross_entropy
 from jax_ls2.parallel.distributed import initialize_distributed
 from jax_ls2.parallel.embedding import VocabParallelEmbed, vocab_parallel_embed
 from jax_ls2.parallel.mesh import AXES, DATA, PIPE, SEQ, TENSOR, make_mesh, parse_mesh_spec
 from jax_ls2.parallel.pipeline import pipeline
+from jax_ls2.parallel.ring_attention import ring_attention, zigzag_order, zigzag_permute, zigzag_unpermute
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                                      row_parallel_linear)
 
 __all__ = ["AXES", "DATA", "PIPE", "SEQ", "TENSOR", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbed", "column_parallel_linear", "initialize_distributed", "make_mesh", "parse_mesh_spec",
-           "pipeline", "row_parallel_linear", "vocab_parallel_cross_entropy", "vocab_parallel_embed"]
+           "pipeline", "ring_attention", "row_parallel_linear", "vocab_parallel_cross_entropy", "vocab_parallel_embed",
+           "zigzag_order", "zigzag_permute", "zigzag_unpermute"]
