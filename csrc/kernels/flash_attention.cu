@@ -1,7 +1,7 @@
 // Flash attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate).
 //
-// Forward, one CTA per (query block, head, batch), each warp 16 query rows: Q stays in
-// registers; key/value blocks stream through shared memory (cp.async, double
+// Forward, one CTA per (query block, head, batch), each warp 32 query rows (two
+// m16 tiles, so each K/V fragment read from shared memory feeds two products); key/value blocks stream through shared memory (cp.async, double
 // buffered); S = Q K^T, an online softmax in base 2 (running max m and sum l per row,
 // fp32), O += P V with P taken straight from S's accumulator registers. Dropped
 // probabilities are zeroed after they enter l, and O is scaled by keep_scale / l at
@@ -34,10 +34,12 @@ namespace {
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kWarpRows = 16;  // rows of one m16n8k16 tile, per warp
 
-// Tile shapes: query rows per CTA (16 per warp) and key rows per loop step.
+// Tile shapes: query rows per CTA and key rows per loop step. The forward's warps
+// take kMT row tiles of 16 each, so every K and V fragment read from shared memory
+// feeds kMT products.
 template <int D>
 struct FwdTile {
-  static constexpr int kWarps = 4, kBQ = kWarps * kWarpRows, kBK = 64;
+  static constexpr int kWarps = 4, kMT = 2, kBQ = kWarps * kMT * kWarpRows, kBK = D == 128 ? 32 : 64;
 };
 template <int D>
 struct DqTile {
@@ -230,7 +232,7 @@ __device__ __forceinline__ bool Inside(const FlashAttentionProblem& p, int q0, i
 template <typename T, int D>
 __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashAttentionFwdArgs a) {
   using Tile = FwdTile<D>;
-  constexpr int BQ = Tile::kBQ, BK = Tile::kBK, NT = Tile::kWarps * 32;
+  constexpr int BQ = Tile::kBQ, BK = Tile::kBK, MT = Tile::kMT, NT = Tile::kWarps * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + BQ * D;      // 2 buffers
@@ -259,18 +261,29 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   CpAsyncWaitAll();
   __syncthreads();
 
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) LoadA<D>(sQ, warp * kWarpRows, kc, qf[kc]);
-
   const RowCtx ctx = MakeRowCtx(p, b, h);
-  const int row[2] = {q0 + warp * kWarpRows + g, q0 + warp * kWarpRows + g + 8};
-  const int32_t qs[2] = {QSeg(p, ctx, row[0]), QSeg(p, ctx, row[1])};
-  const float scale2 = p.scale * kLog2e;
-  float o[D / 8][4];
+  // Row tile mt of this warp: tile rows warp_row0 + 16 mt ...; thread rows + g and + g + 8.
+  const int warp_row0 = warp * MT * kWarpRows;
+  int row[MT][2];
+  int32_t qs[MT][2];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row[mt][r] = q0 + warp_row0 + mt * kWarpRows + g + 8 * r;
+      qs[mt][r] = QSeg(p, ctx, row[mt][r]);
+    }
+  }
+  const float scale2 = p.scale * kLog2e;
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   for (int nb = 0; nb < nblocks; ++nb) {
     const int buf = nb & 1, n0 = nb * BK;
@@ -283,78 +296,95 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
     const T* cK = sK + buf * BK * D;
     const T* cV = sV + buf * BK * D;
 
-    float s[BK / 8][4];
+    float s[MT][BK / 8][4];
 #pragma unroll
-    for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+    }
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) LoadA<D>(sQ, warp_row0 + mt * kWarpRows, kc, qa[mt]);
 #pragma unroll
       for (int np = 0; np < BK / 16; ++np) {
         uint32_t bf[4];
         LoadBRows<D>(cK, np * 16, kc, bf);
-        Mma<T>(s[2 * np], qf[kc], bf[0], bf[1]);
-        Mma<T>(s[2 * np + 1], qf[kc], bf[2], bf[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>(s[mt][2 * np], qa[mt], bf[0], bf[1]);
+          Mma<T>(s[mt][2 * np + 1], qa[mt], bf[2], bf[3]);
+        }
       }
     }
 
     const bool check = !Inside(p, q0, BQ, n0, BK);
 #pragma unroll
-    for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        s[n][e] = Logit2(p, ctx, s[n][e], row[r], n0 + n * 8 + 2 * t4 + (e & 1), qs[r], check, scale2);
-      }
-    }
-    // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the warp, spread over a quad.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = Exp2Approx(m[r] - m_use);
-      m[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BK / 8; ++n) {
-        s[n][2 * r] = Exp2Approx(s[n][2 * r] - m_use);
-        s[n][2 * r + 1] = Exp2Approx(s[n][2 * r + 1] - m_use);
-        sum += s[n][2 * r] + s[n][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
-      }
-    }
-    if (p.threshold) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float z0, z1;
-          DropPairAlongKeys(p, ctx, row[r], n0 + n * 8 + 2 * t4, z0, z1);
-          // keep_scale is applied with 1 / l at the end.
-          s[n][2 * r] = z0 != 0.f ? s[n][2 * r] : 0.f;
-          s[n][2 * r + 1] = z1 != 0.f ? s[n][2 * r + 1] : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          s[mt][n][e] = Logit2(p, ctx, s[mt][n][e], row[mt][r], n0 + n * 8 + 2 * t4 + (e & 1), qs[mt][r], check,
+                               scale2);
+        }
+      }
+      // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the tile, spread over a quad.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][r], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = Exp2Approx(m[mt][r] - m_use);
+        m[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+          s[mt][n][2 * r] = Exp2Approx(s[mt][n][2 * r] - m_use);
+          s[mt][n][2 * r + 1] = Exp2Approx(s[mt][n][2 * r + 1] - m_use);
+          sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+        }
+        l[mt][r] = l[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[mt][n][2 * r] *= alpha;
+          o[mt][n][2 * r + 1] *= alpha;
+        }
+      }
+      if (p.threshold) {
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float z0, z1;
+            DropPairAlongKeys(p, ctx, row[mt][r], n0 + n * 8 + 2 * t4, z0, z1);
+            // keep_scale is applied with 1 / l at the end.
+            s[mt][n][2 * r] = z0 != 0.f ? s[mt][n][2 * r] : 0.f;
+            s[mt][n][2 * r + 1] = z1 != 0.f ? s[mt][n][2 * r + 1] : 0.f;
+          }
         }
       }
     }
 #pragma unroll
     for (int kc = 0; kc < BK / 16; ++kc) {
-      uint32_t pa[4];
-      AccToA<T>(s, kc, pa);
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) AccToA<T>(s[mt], kc, pa[mt]);
 #pragma unroll
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bf[4];
         LoadBCols<D>(cV, kc * 16, 2 * dn, bf);
-        Mma<T>(o[2 * dn], pa, bf[0], bf[1]);
-        Mma<T>(o[2 * dn + 1], pa, bf[2], bf[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>(o[mt][2 * dn], pa[mt], bf[0], bf[1]);
+          Mma<T>(o[mt][2 * dn + 1], pa[mt], bf[2], bf[3]);
+        }
       }
     }
     CpAsyncWaitAll();
@@ -364,20 +394,25 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   T* out = static_cast<T*>(a.out);
   const float drop_scale = p.threshold ? p.keep_scale : 1.f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int i = row[r];
-    if (i >= p.q_len) continue;
-    const float inv = sum > 0.f ? drop_scale / sum : 0.f;
-    T* orow = out + ((int64_t)b * p.q_len + i) * q_stride + (int64_t)h * D;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) = PackPair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-    }
-    if (t4 == 0) {
-      a.lse[((int64_t)b * p.heads + h) * p.q_len + i] = sum > 0.f ? (m[r] + __log2f(sum)) * kLn2 : -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int i = row[mt][r];
+      if (i >= p.q_len) continue;
+      const float inv = sum > 0.f ? drop_scale / sum : 0.f;
+      T* orow = out + ((int64_t)b * p.q_len + i) * q_stride + (int64_t)h * D;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) =
+            PackPair<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+      }
+      if (t4 == 0) {
+        a.lse[((int64_t)b * p.heads + h) * p.q_len + i] =
+            sum > 0.f ? (m[mt][r] + __log2f(sum)) * kLn2 : -INFINITY;
+      }
     }
   }
 }
