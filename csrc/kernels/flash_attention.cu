@@ -41,13 +41,15 @@ template <int D>
 struct FwdTile {
   static constexpr int kWarps = 4, kMT = 2, kBQ = kWarps * kMT * kWarpRows, kBK = D == 128 ? 32 : 64;
 };
+// The backward's 8 warps per CTA halve how often each query (dk, dv) or key (dq)
+// block is streamed from L2 compared with 4.
 template <int D>
 struct DqTile {
-  static constexpr int kWarps = 4, kBQ = kWarps * kWarpRows, kBK = 32;
+  static constexpr int kWarps = 8, kBQ = kWarps * kWarpRows, kBK = 32;
 };
 template <int D>
 struct DkvTile {
-  static constexpr int kWarps = 4, kBK = kWarps * kWarpRows, kBQ = D == 128 ? 32 : 64;
+  static constexpr int kWarps = 8, kBK = kWarps * kWarpRows, kBQ = D == 128 ? 32 : 64;
 };
 constexpr int kDeltaRowsPerBlock = 8;  // one warp per row
 
