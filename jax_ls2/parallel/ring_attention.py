@@ -85,7 +85,11 @@ def zigzag_order(length: int, ring_size: int) -> np.ndarray:
     ``2 ring_size - 1 - r`` of ``2 ring_size`` pieces of ``c / 2``).
 
     Raises ValueError unless ``length`` is divisible by ``2 * ring_size``."""
-    length, ring_size = _check_layout("zigzag_order", length, ring_size)
+    return _zigzag_order("zigzag_order", length, ring_size)
+
+
+def _zigzag_order(op, length, ring_size):
+    length, ring_size = _check_layout(op, length, ring_size)
     piece = length // (2 * ring_size)
     pieces = np.arange(length).reshape(2 * ring_size, piece)
     order = [pieces[i] for r in range(ring_size) for i in (r, 2 * ring_size - 1 - r)]
@@ -96,12 +100,12 @@ def zigzag_permute(x, ring_size: int, *, axis: int = 1):
     """``x`` with its sequence dim ``axis`` (length ``L``, default 1 as in ``(batch, L,
     ...)``) put in zigzag order for a ring of ``ring_size``; shard the result over the
     sequence axis. Raises ValueError unless ``L`` is divisible by ``2 * ring_size``."""
-    return jnp.take(x, zigzag_order(_seq_len("zigzag_permute", x, axis), ring_size), axis=axis)
+    return jnp.take(x, _zigzag_order("zigzag_permute", _seq_len("zigzag_permute", x, axis), ring_size), axis=axis)
 
 
 def zigzag_unpermute(x, ring_size: int, *, axis: int = 1):
     """The inverse of `zigzag_permute`: ``x`` in zigzag order back to natural order."""
-    order = zigzag_order(_seq_len("zigzag_unpermute", x, axis), ring_size)
+    order = _zigzag_order("zigzag_unpermute", _seq_len("zigzag_unpermute", x, axis), ring_size)
     return jnp.take(x, np.argsort(order), axis=axis)
 
 
@@ -281,8 +285,15 @@ def _flash_ring_fwd(cfg, q, k, v, mask):
     return out, (q, k, v, mask, out, lse)
 
 
+def _fresh(tree):
+    """``tree`` behind an optimization barrier, so the backward's ring is not merged (CSE)
+    with the forward's: merged, every block received in the forward would stay alive until
+    the backward, O(L) memory per device."""
+    return jax.lax.optimization_barrier(tree)
+
+
 def _flash_ring_bwd(cfg, res, dout):
-    return (*_flash_backward(cfg, *res, dout), None)
+    return (*_flash_backward(cfg, *_fresh(res), dout), None)
 
 
 _flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd, optimize_remat=True)
@@ -417,7 +428,7 @@ def _rsa_ring_fwd(cfg, q, k, v, mask, seed):
 
 
 def _rsa_ring_bwd(cfg, res, dout):
-    return (*_rsa_backward(cfg, *res, dout), None, None)
+    return (*_rsa_backward(cfg, *_fresh(res), dout), None, None)
 
 
 _rsa_ring.defvjp(_rsa_ring_fwd, _rsa_ring_bwd, optimize_remat=True)
