@@ -209,7 +209,7 @@ def test_ring_under_vmap_emulates_the_devices(data):
     _close(got, _single_program(True, RATE)(q, k, v, pm, key, cot))
 
 
-# ---------------------------------------------------------------- layout helpers and errors
+# ---------------------------------------------------------------- layout functions and errors
 def test_zigzag_order_and_inverse():
     order = ra.zigzag_order(16, 4)
     np.testing.assert_array_equal(order.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],

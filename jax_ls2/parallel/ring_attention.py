@@ -24,7 +24,7 @@ keys and values of its chunk of ``c = L / P`` positions. Two algorithms:
   The key/value blocks travel around the ring; at each step every device runs
   ``ops.flash_attention(..., return_lse=True)`` on its queries against the block it
   holds and folds the result into a running ``(out, lse)`` with
-  ``ops.merge_attention``. The next block's ``ppermute`` is issued before the current
+  ``ops.merge_attention``. The next block's ``ppermute`` is started before the current
   block's attention (they are independent, so the scheduler may overlap them). Backward
   (custom VJP): the blocks travel again with float32 ``dK``/``dV`` accumulators that
   arrive at their owner after ``P`` steps; each block's gradient is the VJP of the block's
@@ -78,7 +78,7 @@ BALANCES = ("zigzag", "none")
 _HI = jax.lax.Precision.HIGHEST
 
 
-# ---------------------------------------------------------------- layout helpers
+# ---------------------------------------------------------------- layout functions
 def zigzag_order(length: int, ring_size: int) -> np.ndarray:
     """int ``(length,)``: the global position held at each index of the zigzag layout
     (device ``r``'s chunk is indices ``[r c, (r + 1) c)``: pieces ``r`` and
