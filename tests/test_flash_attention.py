@@ -79,7 +79,6 @@ CASES = {
     "padding full bias": (2, 7, 11, 2, 2, 8, False, "padding", (2, 2, 7, 11), 0.0),
     "segments causal key bias": (2, 10, 10, 3, 1, 8, True, "segments", (1, 3, 1, 10), 0.0),
     "dropout gqa padding bias": (2, 6, 9, 4, 2, 8, False, "padding", (2, 1, 6, 9), 0.2),
-    "dropout causal": (1, 17, 17, 2, 2, 16, True, None, None, 0.1),
 }
 
 
@@ -334,13 +333,34 @@ def declared_targets(monkeypatch):
     forget_choices()
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_lowering_for_cuda_calls_the_kernels(declared_targets, dtype):
+LOWERING_CASES = {
+    # name: (dtype, bias shape or None, mask kind, vmapped)
+    "bf16 batched bias dropout": (jnp.bfloat16, (2, 4, 5, 7), None, False),
+    "fp16 shared bias padding": (jnp.float16, (1, 4, 1, 7), "padding", False),
+    "bf16 segments under vmap": (jnp.bfloat16, None, "segments", True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_lowering_for_cuda_calls_the_kernels(declared_targets, name):
+    dtype, bias_shape, mask, vmapped = LOWERING_CASES[name]
     q, k, v = qkv(2, 5, 7, 4, 2, 64, dtype)
-    bias = jnp.zeros((2, 4, 5, 7), dtype)
-    f = lambda q, k, v, bias: jnp.sum(flash_attention(q, k, v, bias=bias, causal=True, rate=0.1,
-                                                      key=jax.random.key(0)).astype(F32))
-    text = cuda_lowering_text(jax.grad(f, (0, 1, 2, 3)), q, k, v, bias)
+    bias = None if bias_shape is None else jnp.zeros(bias_shape, dtype)
+    kw = dict(causal=True, rate=0.1, key=jax.random.key(0), return_lse=True)
+    if mask == "padding":
+        kw["padding_mask"] = jnp.arange(7)[None, :] < jnp.array([7, 3])[:, None]
+    elif mask == "segments":
+        kw["segment_ids"] = (jnp.zeros((2, 5), jnp.int32), jnp.arange(14).reshape(2, 7) % 2)
+
+    def loss(q, k, v, bias):
+        out, lse = flash_attention(q, k, v, bias=bias, **kw)
+        return jnp.sum(out.astype(F32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    f = jax.grad(loss, (0, 1, 2) if bias is None else (0, 1, 2, 3))
+    if vmapped:
+        f = jax.vmap(f, in_axes=(0, 0, 0, None))
+        q, k, v = (t[None].repeat(2, 0) for t in (q, k, v))
+    text = cuda_lowering_text(f, q, k, v, bias)
     for t in TARGETS:
         assert f"custom_call @{t}" in text, t
 
