@@ -224,6 +224,12 @@ __device__ __forceinline__ int KeyEnd(const FlashAttentionProblem& p, int q0, in
   return max(0, min(p.kv_len, q0 + rows + (p.kv_len - p.q_len)));
 }
 
+// The query block of a CTA of the forward or dq pass: under causal masking the last
+// blocks attend the most keys, so they are taken first (a shorter tail).
+__device__ __forceinline__ int QueryBlock(const FlashAttentionProblem& p) {
+  return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+}
+
 // Whether a (query block, key block) tile needs no bounds or causal test.
 __device__ __forceinline__ bool Inside(const FlashAttentionProblem& p, int q0, int qrows, int n0, int krows) {
   return q0 + qrows <= p.q_len && n0 + krows <= p.kv_len &&
@@ -240,7 +246,7 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   T* sK = sQ + BQ * D;      // 2 buffers
   T* sV = sK + 2 * BK * D;  // 2 buffers
   const FlashAttentionProblem& p = a.p;
-  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const int q0 = QueryBlock(p) * BQ, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.heads / p.kv_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -463,7 +469,7 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
   T* sK = sO + BQ * D;      // 2 buffers
   T* sV = sK + 2 * BK * D;  // 2 buffers
   const FlashAttentionProblem& p = a.p;
-  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const int q0 = QueryBlock(p) * BQ, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.heads / p.kv_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
