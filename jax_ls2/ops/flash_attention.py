@@ -17,7 +17,13 @@ scaled by ``keep_scale(rate)``. So the same key gives the same mask as
 ``softmax_dropout`` on the ``(batch, heads, q_len, kv_len)`` scores. Under ``jit`` with
 the batch sharded, a shard's seed offset word counts the query elements before it (see
 `jax_ls2._dispatch`), from which the kernel and the reference derive the shard's first
-batch index, so shards draw the unsharded mask.
+batch index, so shards draw the unsharded mask. The index is a uint32 counter, as for
+the other ops: beyond 2**32 probabilities per call (a 131072-token sequence with 32
+heads has 2**39) the numbering wraps, and masks repeat with that period.
+
+The CUDA kernels take float16 and bfloat16 with head_dim 64 or 128 (KERNEL_DTYPES,
+KERNEL_HEAD_DIMS); other dtypes and head dims run the reference, with a warning on a
+CUDA backend, or raise under ``JAX_LS2_IMPL=cuda``.
 """
 from __future__ import annotations
 
