@@ -89,12 +89,14 @@ def _warn_reference_on_cuda(target: str) -> None:
 def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
     """The one dispatch path of every op and of the optimizer.
 
-    ``JAX_LS2_IMPL=reference``: ``reference``. ``JAX_LS2_IMPL=cuda``: ``cuda``, or a
+    ``JAX_LS2_IMPL=reference``: ``reference``. Otherwise, when the FFI ``target`` is
+    registered, a ``platform_dependent`` choice: ``cuda`` in programs compiled for
+    CUDA, ``reference`` in programs compiled for another platform (a computation
+    placed on a CPU device of a GPU process). ``JAX_LS2_IMPL=cuda`` raises a
     RuntimeError naming ``target`` unless its kernel runs here (built, and a CUDA
-    backend present). Default (auto): when the FFI ``target`` is registered, a
-    ``platform_dependent`` choice of ``cuda`` on CUDA and ``reference`` elsewhere;
-    without it ``reference``, with a `KernelsUnavailableWarning` (once) when JAX has
-    a CUDA backend, where the kernels were expected.
+    backend present), so no GPU program ever runs the reference. Default (auto)
+    without the target: ``reference``, with a `KernelsUnavailableWarning` (once) when
+    JAX has a CUDA backend, where the kernels were expected.
     """
     mode = _impl_mode()
     if mode == "reference":
@@ -104,8 +106,7 @@ def select_impl(target: str, reference: Callable, cuda: Callable) -> Callable:
         if not _ffi.has_target(target):
             raise RuntimeError(f"{target}: this FFI target is missing from the built extension. "
                                f"{_ffi.REBUILD_HINT}")
-        return cuda
-    if not _ffi.has_target(target):
+    elif not _ffi.has_target(target):
         if _ffi.cuda_backend():
             _warn_reference_on_cuda(target)
         return reference
