@@ -206,3 +206,20 @@ def test_meta_updates_are_refused_where_they_would_reach_an_optimizer():
         optim.apply_updates(tx, acc, state, params)
     with pytest.raises(ValueError, match=r"accumulate: grads hold FP8 meta updates but acc has no meta"):
         optim.accumulate(optim.init_accumulator(params), grads)
+
+
+def test_a_state_holding_params_and_metas_steps_its_metas_and_keeps_its_params():
+    """`apply_meta_updates` / `update_meta` on an nnx.State with params beside the metas
+    (what `nnx.split(model, nnx.Any(nnx.Param, FP8Meta), ...)` gives): the metas step as
+    they do alone, the params come back unchanged."""
+    model = _layer()
+    graphdef, variables, rest = nnx.split(model, nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    xs, cs = _micro_batches(1)
+    grads = jax.grad(lambda v: jnp.sum(nnx.merge(graphdef, v, rest)(xs[0]) * cs[0]))(variables)
+    param_grads, new = fp8.apply_meta_updates(variables, grads, RECIPE)
+    params, metas = nnx.split_state(variables, nnx.Param, fp8.FP8Meta)
+    new_params, new_metas = nnx.split_state(new, nnx.Param, fp8.FP8Meta)
+    _assert_tree_equal(new_metas, fp8.update_meta(metas, fp8.split_meta(grads)[1], RECIPE))
+    _assert_tree_equal(new_params, params)
+    assert fp8.count_metas(param_grads) == 0
+    assert not np.array_equal(np.asarray(jax.tree.leaves(new_metas)[1]), np.asarray(jax.tree.leaves(metas)[1]))

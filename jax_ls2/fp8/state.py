@@ -173,6 +173,12 @@ def update_meta(meta_state, meta_updates, recipe: DelayedScaling):
     whose update is ``None`` is left as it is. Returns ``meta_state``'s structure.
     """
     _check_recipe("update_meta", recipe)
+    if isinstance(meta_state, nnx.State) and isinstance(meta_updates, nnx.State):
+        # split_meta gives an nnx.State's meta updates as its FP8Meta entries alone: step
+        # the metas of meta_state the same way and put its other entries back.
+        metas, others = nnx.split_state(meta_state, FP8Meta, ...)
+        if len(jax.tree.leaves(others)):
+            return nnx.merge_state(others, update_meta(metas, meta_updates, recipe))
     treedef, states, updates = _zip_meta("update_meta", meta_state, meta_updates)
     out = []
     for s, u in zip(states, updates):
