@@ -125,7 +125,7 @@ def models_table(rows: list) -> str:
              "| model | batch | impl | step ms | tokens (images)/s | MFU | peak GB | speedup |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for (model, shape, impl, backend), m in table.items():
-        name = {"plain": "plain Flax", "ls2": "jax_ls2"}.get(impl, impl)
+        name = {"plain": "plain Flax", "ls2": "jax_ls2", "ls2-fp8": "jax_ls2 FP8"}.get(impl, impl)
         if backend and impl != "plain":
             name += f" ({backend})"
         lines.append(f"| {model} | {shape} | {name} | {_num(m.get('ms_median'), '.2f')} | "
