@@ -380,14 +380,37 @@ def _reference(kernel):
     return jax.jit(lambda *a, **s: kernel.reference(*a, **s), static_argnames=("eps", "fp8_dtype", "activation"))
 
 
+# Each op jitted once, its static arguments (the FP8 format, the activation) named
+# (jax.jit rejects a static name the function does not take).
+_OPS = {"ln": (lambda x, g, b, s, fmt: layer_norm_fp8(x, g, b, s, fp8_dtype=fmt), ("fmt",)),
+        "act": (lambda x, b, s, fmt, act: bias_gelu_fp8(x, b, s, fp8_dtype=fmt, activation=act), ("fmt", "act")),
+        "ct": (lambda x, s, fmt: cast_transpose(x, s, fp8_dtype=fmt), ("fmt",)),
+        "dact": (lambda g, p, s, fmt, act: dgelu_cast_transpose_dbias(g, p, s, fp8_dtype=fmt, activation=act),
+                 ("fmt", "act"))}
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(name):
-    return jax.jit({"ln": lambda x, g, b, s, fmt: layer_norm_fp8(x, g, b, s, fp8_dtype=fmt),
-                    "act": lambda x, b, s, fmt, act: bias_gelu_fp8(x, b, s, fp8_dtype=fmt, activation=act),
-                    "ct": lambda x, s, fmt: cast_transpose(x, s, fp8_dtype=fmt),
-                    "dact": lambda g, p, s, fmt, act: dgelu_cast_transpose_dbias(g, p, s, fp8_dtype=fmt,
-                                                                                 activation=act)}[name],
-                   static_argnames=("fmt", "act"))
+    fn, static = _OPS[name]
+    return jax.jit(fn, static_argnames=static)
+
+
+def test_the_gpu_tests_jitted_ops_take_their_static_arguments():
+    """The GPU tests' jitted ops, run here on the references: every static name is an
+    argument of its op (a GPU run is no place to find a harness error)."""
+    x, gamma, beta, g = rows_inputs((3, 16), jnp.float32, seed=5)
+    s = jnp.float32(2.0)
+    want = {"ln": layer_norm_fp8(x, gamma, beta, s, fp8_dtype=E5M2)[0],
+            "act": bias_gelu_fp8(x, beta, s, fp8_dtype=E5M2, activation="relu")[0],
+            "ct": cast_transpose(x, s, fp8_dtype=E5M2)[0],
+            "dact": dgelu_cast_transpose_dbias(g, x, s, fp8_dtype=E5M2, activation="relu")[0]}
+    got = {"ln": _compiled("ln")(x, gamma, beta, s, fmt=E5M2)[0],
+           "act": _compiled("act")(x, beta, s, fmt=E5M2, act="relu")[0],
+           "ct": _compiled("ct")(x, s, fmt=E5M2)[0],
+           "dact": _compiled("dact")(g, x, s, fmt=E5M2, act="relu")[0]}
+    assert set(got) == set(_OPS)
+    for name in _OPS:  # values, not bytes: a zero's sign may differ between jit and eager
+        np.testing.assert_array_equal(ordered(got[name]), ordered(want[name]), err_msg=name)
 
 
 def _nan_aware_equal(name, got, want):
