@@ -33,24 +33,32 @@ namespace {
 template <int F>
 constexpr __nv_fp8_interpretation_t kInterp = F == kFp8E4M3 ? __NV_E4M3 : __NV_E5M2;
 
-// N float32 values (already scaled) as N FP8 bytes, two per conversion.
-template <int F, int N>
+// N float32 values (already scaled) as N FP8 bytes: one byte, or 32-bit words (N a
+// multiple of 4) each assembled from two conversions' byte pairs and stored whole, to
+// global memory and to the transpose tile alike. Never split into bytes: from correct
+// PTX, ptxas 13.0 (sm_90) mis-assembled a byte-wise pack stored both as one 8-byte value
+// and word by word (in the 8-byte store, byte 2 of each word repeated byte 0).
+template <int N>
 struct alignas(N) Fp8Pack {
-  uint8_t b[N];
+  static_assert(N % 4 == 0, "whole 32-bit words");
+  uint32_t w[N / 4];
+};
+template <>
+struct Fp8Pack<1> {
+  uint8_t b;
 };
 template <int F, int N>
-__device__ __forceinline__ Fp8Pack<F, N> ToFp8(const float (&v)[N]) {
-  Fp8Pack<F, N> p;
+__device__ __forceinline__ Fp8Pack<N> ToFp8(const float (&v)[N]) {
+  Fp8Pack<N> p;
   if constexpr (N == 1) {
-    p.b[0] = __nv_cvt_float_to_fp8(v[0], __NV_SATFINITE, kInterp<F>);
+    p.b = __nv_cvt_float_to_fp8(v[0], __NV_SATFINITE, kInterp<F>);
   } else {
-    static_assert(N % 2 == 0, "pairs");
 #pragma unroll
-    for (int i = 0; i < N; i += 2) {
-      const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(make_float2(v[i], v[i + 1]), __NV_SATFINITE,
-                                                                kInterp<F>);
-      p.b[i] = static_cast<uint8_t>(two & 0xffu);
-      p.b[i + 1] = static_cast<uint8_t>(two >> 8);
+    for (int i = 0; i < N; i += 4) {
+      // Each pair: the lower element in the low byte.
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[i], v[i + 1]), __NV_SATFINITE, kInterp<F>);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[i + 2], v[i + 3]), __NV_SATFINITE, kInterp<F>);
+      p.w[i / 4] = lo | (hi << 16);
     }
   }
   return p;
@@ -170,7 +178,7 @@ __global__ void __launch_bounds__(kLnMaxThreads) LayerNormFp8Kernel(LayerNormFp8
             amax = max(amax, AbsBits(out));
             o[j] = out * scale;
           }
-          *reinterpret_cast<Fp8Pack<F, VEC>*>(y + col) = ToFp8<F, VEC>(o);
+          *reinterpret_cast<Fp8Pack<VEC>*>(y + col) = ToFp8<F, VEC>(o);
         }
       }
       if (threadIdx.x == 0) {
@@ -210,7 +218,7 @@ __global__ void __launch_bounds__(kLnLoopThreads) LayerNormFp8LoopKernel(LayerNo
       const float out[1] = {(ToFloat(x[c]) - mean) * rstd * ToFloat(g[c]) + ToFloat(b[c])};
       amax = max(amax, AbsBits(out[0]));
       const float o[1] = {out[0] * scale};
-      y[c] = ToFp8<F, 1>(o).b[0];
+      y[c] = ToFp8<F, 1>(o).b;
     }
     if (threadIdx.x == 0) {
       a.mean[row] = mean;
@@ -276,7 +284,7 @@ __global__ void __launch_bounds__(kBiasActThreads) BiasActFp8Kernel(BiasActFp8Ar
           amax = max(amax, AbsBits(y));
           o[j] = y * scale;
         }
-        *reinterpret_cast<Fp8Pack<F, VEC>*>(static_cast<uint8_t*>(a.y) + r * a.cols + col) = ToFp8<F, VEC>(o);
+        *reinterpret_cast<Fp8Pack<VEC>*>(static_cast<uint8_t*>(a.y) + r * a.cols + col) = ToFp8<F, VEC>(o);
       }
     }
   }
@@ -362,16 +370,14 @@ __global__ void __launch_bounds__(kCtThreads) CastTransposeKernel(CastTransposeA
           amax = max(amax, AbsBits(v[j]));
           o[j] = v[j] * scale;
         }
-        const Fp8Pack<F, VEC> q = ToFp8<F, VEC>(o);
-        *reinterpret_cast<Fp8Pack<F, VEC>*>(static_cast<uint8_t*>(a.out) + row * a.cols + col) = q;
+        const Fp8Pack<VEC> q = ToFp8<F, VEC>(o);
+        *reinterpret_cast<Fp8Pack<VEC>*>(static_cast<uint8_t*>(a.out) + row * a.cols + col) = q;
         uint8_t* s = tile + r * kTileStride + lane * VEC;
-        if constexpr (VEC % 4 == 0) {
-#pragma unroll
-          for (int w = 0; w < VEC / 4; ++w)
-            reinterpret_cast<uint32_t*>(s)[w] = reinterpret_cast<const uint32_t*>(q.b)[w];
+        if constexpr (VEC == 1) {
+          s[0] = q.b;
         } else {
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) s[j] = q.b[j];
+          for (int w = 0; w < VEC / 4; ++w) reinterpret_cast<uint32_t*>(s)[w] = q.w[w];
         }
       }
     }
