@@ -105,6 +105,44 @@ def test_cuda_lowering_has_fp8_dot_generals_and_no_upcast_before_them():
     assert not upcasts, upcasts
 
 
+_F8_DOT = re.compile(r"(%\S+) = stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
+
+
+def _scaled_gemm_forms(text):
+    """(operand types, result type, whether its only use is a multiply by a broadcast
+    scalar of the result dtype) of each FP8 dot_general in a lowered program."""
+    forms = []
+    for name, a, b, out in _F8_DOT.findall(text):
+        if "f8E" not in a + b:
+            continue
+        uses = re.findall(rf"= (\S+) [^\n]*{re.escape(name)}\b[^\n]*", text)
+        scaled = uses == ["stablehlo.multiply"] and re.search(
+            rf"stablehlo\.multiply {re.escape(name)}, (%\S+) : {re.escape(out)}", text) is not None
+        forms.append((a, b, out, scaled))
+    return forms
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_gemms_have_the_form_xla_folds_into_one_cublaslt_fp8_call(x_dtype, w_dtype):
+    # XLA's gemm rewriter takes a 2-D dot_general of FP8 operands with a bf16/f32 result,
+    # and folds a following multiply by a broadcast scalar into the call's scale
+    # (F8ScaleD): the GEMM writes its final dtype, no float32 round trip.
+    recipe = fp8.DelayedScaling(amax_history_len=8)
+    x = jnp.ones((2, 16, 64), x_dtype)
+    w = jnp.ones((64, 32), w_dtype)
+    loss = lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m, recipe, dtype=jnp.bfloat16).astype(jnp.float32) ** 2)
+    text = cuda_lowering_text(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, w, fp8.DotMeta.create(recipe))
+    forms = _scaled_gemm_forms(text)
+    assert len(forms) == 3, text
+    w_out = "f32" if w_dtype == jnp.float32 else "bf16"
+    # forward (32, 64) x (64, 32) -> bf16; dgrad (32, 32) x (64, 32) -> x's bf16; wgrad -> w's dtype.
+    assert sorted(out for _, _, out, _ in forms) == sorted(["tensor<32x32xbf16>", "tensor<32x64xbf16>",
+                                                            f"tensor<64x32x{w_out}>"]), forms
+    for a, b, out, scaled in forms:
+        assert a.count("x") == 2 and b.count("x") == 2, (a, b)  # 2-D operands
+        assert scaled, (a, b, out)
+
+
 def test_second_order_raises():
     recipe = fp8.DelayedScaling(amax_history_len=2)
     x, w, meta = jnp.ones((2, 8)), jnp.ones((8, 4)), fp8.DotMeta.create(recipe)

@@ -36,8 +36,9 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
       (..., N) in ``dtype``.
 
     Forward: x and w are cast to E4M3 with ``meta.scale`` (saturating at 448) and
-    multiplied as an FP8 ``dot_general`` accumulating in float32, then scaled by the
-    two scale_invs. Kept for the backward: the FP8 copies of x and w and the meta.
+    multiplied as a 2-D FP8 ``dot_general`` accumulating in float32, scaled by the two
+    scale_invs and written in ``dtype`` by the GEMM itself on CUDA (one cuBLASLt FP8
+    call, see `_scaled_dot`). Kept for the backward: the FP8 copies of x and w and the meta.
     Backward: the output gradient is cast to E5M2 (hybrid; E4M3 for "e4m3") with its
     delayed scale; dgrad and wgrad are FP8 ``dot_general``s. The gradient with respect
     to ``meta`` is the meta update: a `DotMeta` whose ``amax_history[:, 0]`` holds
@@ -46,28 +47,36 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
     with a shared meta, the amaxes are taken over the whole mapped batch.
     Second-order derivatives raise NotImplementedError.
     """
+    x, w, dm, dtype, axes = _prepare(OP, x, w, meta, recipe, dtype, amax_axes)
+    return _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w, dm)
+
+
+def _prepare(op, x, w, meta, recipe, dtype, amax_axes, *, x_name="x", w_name="w"):
+    """Checks one FP8 GEMM's arguments as `fp8_dot` documents them (errors name ``op``);
+    returns ``(x, w, dot_meta, dtype, axes)``: x and w made varying over the same mesh
+    axes, the result dtype, and the mesh axes to max-reduce the amaxes over."""
     if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"{OP}: recipe must be a jax_ls2.fp8.DelayedScaling, got {type(recipe).__name__}")
-    for name, a in (("x", x), ("w", w)):
+        raise TypeError(f"{op}: recipe must be a jax_ls2.fp8.DelayedScaling, got {type(recipe).__name__}")
+    for name, a in ((x_name, x), (w_name, w)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise TypeError(f"{OP}: {name} must be an array, got {type(a).__name__}")
+            raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
         if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{OP}: {name} must have dtype in (float32, bfloat16, float16), got {a.dtype}")
+            raise TypeError(f"{op}: {name} must have dtype in (float32, bfloat16, float16), got {a.dtype}")
     if x.ndim < 2:
-        raise ValueError(f"{OP}: x must have shape (..., K) with rank >= 2, got {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must have shape (..., K) with rank >= 2, got {tuple(x.shape)}")
     if w.ndim != 2:
-        raise ValueError(f"{OP}: w must have shape (K, N) (rank 2), got {tuple(w.shape)}")
+        raise ValueError(f"{op}: w must have shape (K, N) (rank 2), got {tuple(w.shape)}")
     if x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{OP}: x's last dim (K={x.shape[-1]}) must equal w's first dim, "
+        raise ValueError(f"{op}: x's last dim (K={x.shape[-1]}) must equal w's first dim, "
                          f"got x {tuple(x.shape)} and w {tuple(w.shape)}")
     dtype = jnp.dtype(jnp.result_type(x.dtype, w.dtype) if dtype is None else dtype)
     if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{OP}: dtype must be one of (float32, bfloat16, float16), got {dtype}")
-    dm = _as_dot_meta(meta, recipe)
+        raise TypeError(f"{op}: dtype must be one of (float32, bfloat16, float16), got {dtype}")
+    dm = _as_dot_meta(meta, recipe, op)
     if isinstance(amax_axes, str):
         amax_axes = (amax_axes,)
     if not isinstance(amax_axes, (tuple, list)) or not all(isinstance(a, str) for a in amax_axes):
-        raise TypeError(f"{OP}: amax_axes must be a tuple of mesh axis names, got {amax_axes!r}")
+        raise TypeError(f"{op}: amax_axes must be a tuple of mesh axis names, got {amax_axes!r}")
     axes = tuple(amax_axes) if recipe.reduce_amax else ()
     # Inside shard_map: x and w enter per-device alike (their gradients come back summed
     # over the axes they were cast over); the amaxes must be reduced over every axis the
@@ -75,24 +84,24 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
     x, w = match_varying(x, w)
     unreduced = sorted(_varying_axes(x) - set(axes) - _varying_axes(dm.scale))
     if unreduced:
-        raise ValueError(f"{OP}: x and w vary over the mesh axes {tuple(unreduced)} (inside shard_map) but meta "
+        raise ValueError(f"{op}: x and w vary over the mesh axes {tuple(unreduced)} (inside shard_map) but meta "
                          f"does not; pass amax_axes={tuple(unreduced)!r} with recipe.reduce_amax=True so every "
                          f"replica records the same amaxes, or give each device its own meta; got amax_axes="
                          f"{tuple(amax_axes)!r}, reduce_amax={recipe.reduce_amax}")
-    return _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w, dm)
+    return x, w, dm, dtype, axes
 
 
-def _as_dot_meta(meta, recipe: DelayedScaling) -> DotMeta:
+def _as_dot_meta(meta, recipe: DelayedScaling, op: str = OP) -> DotMeta:
     if isinstance(meta, FP8DotMeta):
         meta = meta.meta
     if isinstance(meta, FP8Meta):
         meta = meta.get_value()
     if not isinstance(meta, DotMeta):
-        raise TypeError(f"{OP}: meta must be a DotMeta, FP8Meta or FP8DotMeta, got {type(meta).__name__}")
+        raise TypeError(f"{op}: meta must be a DotMeta, FP8Meta or FP8DotMeta, got {type(meta).__name__}")
     shapes = ((NUM_OPERANDS, recipe.amax_history_len), (NUM_OPERANDS,), (NUM_OPERANDS,))
     for name, a, shape in zip(DotMeta._fields, meta, shapes):
         if tuple(a.shape) != shape or jnp.dtype(a.dtype) != jnp.float32:
-            raise ValueError(f"{OP}: meta.{name} must be float32 of shape {shape} (amax_history_len="
+            raise ValueError(f"{op}: meta.{name} must be float32 of shape {shape} (amax_history_len="
                              f"{recipe.amax_history_len}), got {a.dtype} {tuple(a.shape)}")
     return meta
 
@@ -103,10 +112,41 @@ def _quantize(t, scale, fp8_dtype):
     return jnp.clip(t.astype(jnp.float32) * scale, -limit, limit).astype(fp8_dtype)
 
 
-def _scaled_dot(a, b, dimension_numbers, scale_inv, out_dtype):
-    """FP8 dot_general accumulating in float32, then the scale_inv multiply."""
-    acc = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+# Output dtypes whose scale multiply is folded into the cuBLASLt FP8 call (see _scaled_dot).
+_FOLDED_SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _scaled_dot(a, b, contract, scale_inv, out_dtype):
+    """The FP8 GEMM ``(a . b) * scale_inv`` of 2-D FP8 operands, in ``out_dtype``.
+
+    a: (M, Ka) and b: (Kb, N)-like 2-D FP8 arrays contracted over ``contract``
+    (``((a_dim,), (b_dim,))``); scale_inv: float32 scalar. Returns the 2-D result.
+
+    Written in the form XLA's GPU gemm rewriter (gemm_rewriter.cc) turns into ONE
+    cuBLASLt FP8 matmul (``__cublas$lt$matmul$f8``) writing ``out_dtype`` directly:
+    a 2-D ``dot_general`` of the FP8 operands themselves (``MatchFp8Param``'s "directly
+    operating on an FP8 operand" case; one contracting and one non-contracting dim each,
+    as ``CreateF8CustomCall`` requires, so batch dims are flattened by the caller) whose
+    result type is ``out_dtype`` (a supported D type: bf16, f16, f32), then a multiply by
+    a broadcast scalar of that dtype, which ``HandleMultiply`` -> ``F8ScaleD`` folds into
+    the call's A scale. cuBLASLt then scales the float32 accumulator and rounds once to
+    ``out_dtype``: no float32 result is written and read back, no separate scaling pass.
+    The scale is rounded to ``out_dtype`` first (bf16: relative 2**-9, far below the FP8
+    rounding of the operands). float16 results keep the float32 route: a product of two
+    scale_invs can underflow float16.
+    """
+    dn = (contract, ((), ()))
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype in _FOLDED_SCALE_DTYPES:
+        acc = jax.lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
+        return acc * scale_inv.astype(out_dtype)
+    acc = jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
     return (acc * scale_inv).astype(out_dtype)
+
+
+def _rows(t):
+    """(..., K) -> (M, K): the leading dims flattened (a bitcast on FP8 data)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 @custom_vmap
@@ -164,22 +204,20 @@ def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
     amax_w = _reduced_amax(w, dm.scale, axes)
     xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
     wq = _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype)
-    y = _scaled_dot(xq, wq, (((x.ndim - 1,), (0,)), ((), ())), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
-    return y, (xq, wq, dm, amax_x, amax_w)
+    y = _scaled_dot(_rows(xq), wq, ((1,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
+    return y.reshape(*x.shape[:-1], w.shape[1]), (xq, wq, dm, amax_x, amax_w)
 
 
 def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, residuals, g):
     g, residuals = _first_order_only((g, residuals))
     xq, wq, dm, amax_x, amax_w = residuals
     amax_g = _reduced_amax(g, dm.scale, axes)
-    gq = _quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype)
-    lead = tuple(range(g.ndim - 1))
-    # dgrad (..., N) x (K, N) -> (..., K); wgrad (..., K) x (..., N) -> (K, N).
-    dx = _scaled_dot(gq, wq, (((g.ndim - 1,), (1,)), ((), ())),
-                     dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], x_dtype)
-    dw = _scaled_dot(xq, gq, ((lead, lead), ((), ())), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
+    gq = _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype))
+    # dgrad (M, N) x (K, N) -> (M, K); wgrad (M, K) x (M, N) -> (K, N); both 2-D GEMMs.
+    dx = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], x_dtype)
+    dw = _scaled_dot(_rows(xq), gq, ((0,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
     d_meta = DotMeta.observation(jnp.stack([amax_x, amax_w, amax_g], axis=-1), dm)
-    return dx, dw, d_meta
+    return dx.reshape(xq.shape), dw, d_meta
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd, optimize_remat=True)
