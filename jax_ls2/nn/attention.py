@@ -24,7 +24,7 @@ from flax.nnx.nn import dtypes
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
-                                matmul, promoted_dtype, resolve_deterministic, rng_stream)
+                                matmul, resolve_deterministic, rng_stream)
 
 BACKENDS = ("auto", "cudnn", "fused", "xla")
 
@@ -108,10 +108,11 @@ class MultiHeadAttention(nnx.Module):
     ``out`` (hidden, hidden). All ``nnx.Linear`` with biases.
 
     With ``fp8`` (a `jax_ls2.fp8.DelayedScaling`) each projection GEMM runs through
-    `jax_ls2.fp8.fp8_dot` with its own meta: ``qkv_fp8`` (three `FP8DotMeta`, one per
-    q, k and v GEMM) or ``q_fp8`` and ``kv_fp8``, and ``out_fp8``; their ``FP8Meta``
-    variables sit beside the params, which stay those of the bf16 module. Attention
-    itself stays in the compute dtype.
+    `jax_ls2.fp8.fp8_dot` with its own meta: ``qkv_fp8`` (one `FP8DotMeta`: q, k and v
+    are one GEMM on the whole ``qkv`` kernel, so their input is quantized once) or
+    ``q_fp8`` and ``kv_fp8``, and ``out_fp8``; their ``FP8Meta`` variables sit beside
+    the params, which stay those of the bf16 module. Attention itself stays in the
+    compute dtype.
 
     Args:
       hidden_size, num_heads: model width and heads (hidden_size % num_heads == 0).
@@ -155,18 +156,17 @@ class MultiHeadAttention(nnx.Module):
     def _setup_fp8(self, recipe):
         check_fp8_device("MultiHeadAttention")
         if self.self_attention:
-            self.qkv_fp8 = nnx.List([FP8DotMeta(recipe) for _ in range(3)])
+            self.qkv_fp8 = FP8DotMeta(recipe)
         else:
             self.q_fp8, self.kv_fp8 = FP8DotMeta(recipe), FP8DotMeta(recipe)
         self.out_fp8 = FP8DotMeta(recipe)
 
-    def _fp8_gemm(self, name: str, i: int | None = None):
-        """The `FP8Gemm` of the projection ``name`` ("qkv" part i, "q", "kv", "out"), or
-        None without fp8."""
+    def _fp8_gemm(self, name: str):
+        """The `FP8Gemm` of the projection ``name`` ("qkv", "q", "kv", "out"), or None
+        without fp8."""
         if self.fp8 is None:
             return None
-        meta = getattr(self, f"{name}_fp8")
-        return FP8Gemm(meta if i is None else meta[i], self.fp8, self.fp8_amax_axes)
+        return FP8Gemm(getattr(self, f"{name}_fp8"), self.fp8, self.fp8_amax_axes)
 
     def project_kv(self, memory):
         """Cross-attention keys and values: ``memory @ kv.kernel + kv.bias``, memory
@@ -175,6 +175,10 @@ class MultiHeadAttention(nnx.Module):
             return self.kv(memory)
         y, b = matmul(memory, self.kv, self.dtype, self._fp8_gemm("kv"))
         return y + b
+
+    def _parts(self, y, parts):
+        """(..., parts * hidden) -> `parts` arrays (..., heads, head_dim)."""
+        return [t[..., 0, :, :] for t in self._split(y, parts)]
 
     def _split(self, y, parts):
         return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
@@ -190,11 +194,11 @@ class MultiHeadAttention(nnx.Module):
         kernel, bias = linear.kernel[...], linear.bias[...]
         h = self.hidden_size
         if self.fp8 is not None:
-            # One FP8 GEMM (and meta) per part, each quantizing its own kernel slice.
-            dtype = promoted_dtype(self.dtype, *xs, kernel, bias)
-            bias = bias.astype(dtype)
-            return [(self._fp8_gemm("qkv", i)(x, kernel[:, i * h:(i + 1) * h], dtype) + bias[i * h:(i + 1) * h]
-                     ).reshape(*x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
+            # One FP8 GEMM on the whole kernel: its input is quantized once (not once per
+            # part), and in the backward the parts' gradients are concatenated by the pass
+            # that quantizes them anyway. xs[1:] are copies of xs[0].
+            y, b = matmul(xs[0], linear, self.dtype, self._fp8_gemm("qkv"))
+            return self._parts(y + b, parts)
         *xs, kernel, bias = dtypes.promote_dtype((*xs, kernel, bias), dtype=self.dtype)
         return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
             *x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]

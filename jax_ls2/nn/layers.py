@@ -4,7 +4,7 @@ Parameter trees match the plain-Flax twins in ``flax_models.plain`` leaf for lea
 ``attn_ln``/``ffn_ln`` (and ``cross_ln``) are LayerNorms with ``scale``/``bias``,
 ``attn``/``cross_attn`` are `MultiHeadAttention`, ``fc1``/``fc2`` are ``nnx.Linear``.
 With ``fp8`` set, the FP8 metas (``FP8Meta`` variables, not params) sit beside them:
-``attn.qkv_fp8``, ``attn.out_fp8``, ``cross_attn.q_fp8``, ``cross_attn.kv_fp8``,
+``attn.qkv_fp8`` (one GEMM for q, k and v), ``attn.out_fp8``, ``cross_attn.q_fp8``, ``cross_attn.kv_fp8``,
 ``cross_attn.out_fp8``, ``fc1_fp8``, ``fc2_fp8``.
 """
 from __future__ import annotations
@@ -100,6 +100,12 @@ class _Block(nnx.Module):
         if c.fp8 is not None:
             self.fc1_fp8, self.fc2_fp8 = FP8DotMeta(c.fp8), FP8DotMeta(c.fp8)
 
+    @property
+    def _qkv_uses(self) -> int:
+        """Copies of the pre-LN LayerNorm output the self-attention projections take: one
+        per q, k, v GEMM in bf16, one for the single FP8 q|k|v GEMM."""
+        return 3 if self.config.fp8 is None else 1
+
     def _fc_gemm(self, name: str):
         """The `FP8Gemm` of ``fc1`` or ``fc2``, or None without fp8."""
         c = self.config
@@ -188,8 +194,8 @@ _DOC_ARGS = """
         ``attn_dropout``, ``activation_dropout``, ``hidden_dropout``, ``epsilon``,
         ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``, ``fp8``,
         ``fp8_amax_axes``); with a `LayerConfig`, they override its fields.
-      fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q/k/v,
-        attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
+      fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q|k|v as
+        one, attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
         through `jax_ls2.fp8.fp8_dot`, one meta per GEMM (``FP8Meta`` variables, not
         params: the parameter tree is the bf16 layer's); attention and biases stay in
         ``dtype``. Train with the meta updated every step: differentiate with
@@ -228,7 +234,7 @@ class TransformerEncoderLayer(_Block):
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
                                           causal=causal, seq_first=seq_first), x, self.attn_ln, det, k_r1,
-                           uses=3, next_uses=2, seq_first=seq_first)
+                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first)
         return self._residual(lambda h: self._ffn(h, det, k_act, seq_first), x, self.ffn_ln, det, k_r2,
                               next_uses=output_copies, seq_first=seq_first)
 
@@ -258,7 +264,7 @@ class TransformerDecoderLayer(_Block):
         det, keys = self._keys(deterministic, rngs, 6)
         x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
                                           causal=True, seq_first=seq_first), x, self.attn_ln, det, keys[1],
-                           uses=3, next_uses=2, seq_first=seq_first)
+                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first)
         x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
                                           kv=cross_kv, padding_mask=memory_padding_mask,
                                           seq_first=seq_first),

@@ -84,8 +84,11 @@ def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
 def _copies_for_next(layers, i) -> int:
     """Post-LN: every layer but the last hands the next one four copies of its output
     (q, k, v projections and residual), whose gradients the closing LayerNorm's backward
-    kernel sums."""
-    return 4 if i + 1 < len(layers) and not layers[i].pre_layer_norm and not layers[i + 1].pre_layer_norm else 1
+    kernel sums; one where the next layer runs in FP8."""
+    if i + 1 == len(layers) or layers[i].pre_layer_norm or layers[i + 1].pre_layer_norm:
+        return 1
+    # An FP8 layer's q|k|v GEMM takes one input: a pair would suit it, one copy is close.
+    return 1 if layers[i + 1].config.fp8 is not None else 4
 
 
 class TransformerEncoder(nnx.Module):
