@@ -6,6 +6,13 @@ so the dropout rate is quantised to 1/65536 and the kept fraction is exactly
 ``1 - threshold / 65536``. ``u16(g)`` is the low (even g) or high (odd g) half of
 ``mix32(((g & ~1) * 0x9E3779B1 + k0) ^ k1)`` (uint32 arithmetic), ``k0, k1`` the two
 32-bit words of the JAX key.
+
+`keep_mask_wide` numbers elements by a 64-bit index ``g = hi * 2**32 + lo`` (flash
+attention's masks reach 2**39 elements): with ``c = mix32(hi * 0x9E3779B1 + k1) ^
+mix32(k1)`` (zero for ``hi = 0``), the draw is the half of ``mix32(((lo & ~1) *
+0x9E3779B1 + k0) ^ k1 ^ c) ^ c``. Below 2**32 it is the 32-bit generator bit for bit;
+above, each 2**32 block gets its own input and output whitening, so no block repeats
+another.
 """
 from __future__ import annotations
 
@@ -54,3 +61,41 @@ def keep_mask(seed: jax.Array, shape, threshold: int) -> jax.Array:
     h = mix32(((g & np.uint32(0xFFFFFFFE)) * np.uint32(0x9E3779B1) + seed[0]) ^ seed[1])
     u = jnp.where((g & 1) == 1, h >> 16, h & np.uint32(0xFFFF))
     return (u >= np.uint32(threshold)).reshape(shape)
+
+
+def _wide_word(hi, k1):
+    """The per-2**32-block word c(hi) of the 64-bit index (0 for hi = 0)."""
+    hi = jnp.asarray(hi, jnp.uint32)
+    k1 = jnp.asarray(k1, jnp.uint32)
+    return mix32(hi * np.uint32(0x9E3779B1) + k1) ^ mix32(k1)
+
+
+def keep_bits_wide(k0, k1, hi, lo, threshold: int) -> jax.Array:
+    """Keep flags of the elements with 64-bit indices ``hi * 2**32 + lo`` (uint32 arrays
+    of one shape, broadcast); ``k0, k1`` the key words."""
+    hi, lo = jnp.broadcast_arrays(jnp.asarray(hi, jnp.uint32), jnp.asarray(lo, jnp.uint32))
+    c = _wide_word(hi, k1)
+    w = ((lo & np.uint32(0xFFFFFFFE)) * np.uint32(0x9E3779B1) + jnp.asarray(k0, jnp.uint32)) ^ \
+        jnp.asarray(k1, jnp.uint32) ^ c
+    h = mix32(w) ^ c
+    u = jnp.where((lo & 1) == 1, h >> 16, h & np.uint32(0xFFFF))
+    return u >= np.uint32(threshold)
+
+
+def mul_wide(a, b):
+    """(hi, lo) uint32 words of the 64-bit product of uint32 arrays a and b."""
+    a = jnp.asarray(a, jnp.uint32)
+    b = jnp.asarray(b, jnp.uint32)
+    m16 = np.uint32(0xFFFF)
+    a0, a1, b0, b1 = a & m16, a >> 16, b & m16, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & m16) + (p10 & m16)
+    hi = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16)
+    return hi, a * b
+
+
+def add_wide(hi, lo, x):
+    """(hi, lo) + x for a uint32 x, the carry into hi."""
+    x = jnp.asarray(x, jnp.uint32)
+    s = lo + x
+    return hi + (s < lo).astype(jnp.uint32), s

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ls2 import _ffi, _random
 from jax_ls2._dispatch import forget_choices
-from jax_ls2.ops import flash_attention, merge_attention, softmax_dropout
+from jax_ls2.ops import flash_attention, flash_attention_bwd, merge_attention, softmax_dropout
 from numerics import assert_within_2x, compiled_text, cuda_lowering_text, f64, mesh8, shard
 
 # The module (jax_ls2.ops re-exports a function of the same name).
@@ -209,6 +209,135 @@ def test_dropout_statistics_and_same_key_same_mask():
                                   undropped)
 
 
+def _mask_from_formula(key, b, h, lq, lk, q_offset, kv_offset, q_total, kv_total, threshold):
+    """The keep mask (b, h, lq, lk) from the documented 64-bit numbering, in numpy uint64."""
+    k0, k1 = (np.uint32(w) for w in np.asarray(_random.seed_words(key))[:2])
+    c32 = np.uint32(0x9E3779B1)
+    idx = ((np.arange(b, dtype=np.uint64)[:, None, None, None] * np.uint64(h) +
+            np.arange(h, dtype=np.uint64)[None, :, None, None]) * np.uint64(q_total) + np.uint64(q_offset) +
+           np.arange(lq, dtype=np.uint64)[None, None, :, None]) * np.uint64(kv_total) + np.uint64(kv_offset) + \
+        np.arange(lk, dtype=np.uint64)
+    hi, lo = (idx >> np.uint64(32)).astype(np.uint32), (idx & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    mix = lambda x: np.asarray(_random.mix32(x))
+    with np.errstate(over="ignore"):
+        c = mix(hi * c32 + k1) ^ mix(np.full_like(hi, k1))
+        h32 = mix((((lo & np.uint32(0xFFFFFFFE)) * c32 + k0) ^ k1) ^ c) ^ c
+    u = np.where(lo & 1, h32 >> 16, h32 & 0xFFFF)
+    return u >= threshold
+
+
+def test_dropout_block_of_a_larger_attention_draws_its_slice_of_the_mask():
+    """A call on the block [4, 9) x [3, 9) of a 12 x 10 attention, numbered with
+    q_offset/kv_offset/q_total/kv_total (offsets traced), drops exactly the whole
+    attention's mask bits there: with v the identity over keys, out's zeros are them."""
+    b, h, lq_all, lk_all, qo, n, ko, m = 2, 3, 12, 10, 4, 5, 3, 6
+    key, rate = jax.random.key(9), 0.3
+    t = _random.dropout_threshold(rate)
+    whole = np.asarray(fa.attention_keep_mask(_random.seed_words(key), (b, lq_all, h, 8), lk_all, t))
+    seed = jnp.concatenate([_random.seed_words(key), jnp.array([qo, ko], jnp.uint32)])
+    block = np.asarray(fa.attention_keep_mask(seed, (b, n, h, 8), m, t, lq_all, lk_all))
+    np.testing.assert_array_equal(block, whole[:, :, qo:qo + n, ko:ko + m])
+    np.testing.assert_array_equal(whole, _mask_from_formula(key, b, h, lq_all, lk_all, 0, 0, lq_all, lk_all, t))
+    q, k, _ = qkv(b, n, m, h, h, m, seed=3)
+    v = jnp.broadcast_to(jnp.eye(m)[None, :, None, :], (b, m, h, m))
+    f = jax.jit(lambda qo, ko: flash_attention(q, k, v, rate=rate, key=key, q_offset=qo, kv_offset=ko,
+                                               q_total=lq_all, kv_total=lk_all))
+    out = np.asarray(jnp.swapaxes(f(jnp.int32(qo), jnp.int32(ko)), 1, 2))
+    np.testing.assert_array_equal(out != 0, whole[:, :, qo:qo + n, ko:ko + m])
+    # Default numbering: the call is the whole attention.
+    np.testing.assert_array_equal(
+        np.asarray(fa.attention_keep_mask(_random.seed_words(key), (b, n, h, 8), m, t)),
+        _mask_from_formula(key, b, h, n, m, 0, 0, n, m, t))
+
+
+@pytest.mark.parametrize("kv_offset", [55900, 55901], ids=["odd row start", "even row start"])
+def test_dropout_index_is_64_bit_past_2_to_the_32(kv_offset):
+    """Rows of a 70001 x 70001 attention around index 2**32 (row 61355 of head 0 crosses
+    it inside the block): the mask follows the 64-bit numbering, so the block past 2**32
+    is not the block 2**32 earlier again."""
+    b, h, n, m, qo, total = 1, 2, 33, 128, 61340, 70001
+    key, t = jax.random.key(4), _random.dropout_threshold(0.5)
+    seed = jnp.concatenate([_random.seed_words(key), jnp.array([qo, kv_offset], jnp.uint32)])
+    got = np.asarray(fa.attention_keep_mask(seed, (b, n, h, 8), m, t, total, total))
+    want = _mask_from_formula(key, b, h, n, m, qo, kv_offset, total, total, t)
+    np.testing.assert_array_equal(got, want)
+    # Head 1's rows lie wholly past 2**32, where a 32-bit index would wrap and repeat earlier draws.
+    first = (1 * total + qo) * total + kv_offset
+    assert first >= 2**32
+    wrapped = np.asarray(_random.keep_mask(np.array([*np.asarray(seed[:2]), first % 2**32], np.uint32),
+                                           (n, total), t))[:, :m]
+    assert 0.3 < float(np.mean(got[0, 1] == wrapped)) < 0.7
+
+
+def _bwd_inputs():
+    q, k, v = qkv(2, 6, 10, 4, 2, 8, seed=21)
+    bias = jax.random.normal(jax.random.key(1), (1, 4, 6, 10))
+    pm = jnp.arange(10)[None, :] < jnp.array([10, 7])[:, None]
+    dout = jax.random.normal(jax.random.key(2), q.shape)
+    dlse = jax.random.normal(jax.random.key(3), (2, 4, 6))
+    return q, k, v, bias, pm, dout, dlse
+
+
+def test_flash_attention_bwd_equals_the_vjp():
+    q, k, v, bias, pm, dout, dlse = _bwd_inputs()
+    kw = dict(padding_mask=pm, causal=True, rate=0.2, key=jax.random.key(8))
+    (out, lse), vjp = jax.vjp(lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, return_lse=True, **kw),
+                              q, k, v, bias)
+    want = vjp((dout, dlse))
+    got = jax.jit(lambda *a: flash_attention_bwd(*a, dlse=dlse, bias=bias, **kw))(dout, q, k, v, out, lse)
+    assert len(got) == 4
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+    without_bias = flash_attention_bwd(dout, q, k, v, out, lse, dlse=dlse, bias=None, **kw)
+    assert len(without_bias) == 3
+
+
+def test_flash_attention_bwd_per_key_block_with_the_merged_out_and_lse_sums_to_the_whole():
+    """Keys split at 4: forward blocks merged, then one backward per block from the merged
+    out and lse (dropout numbered by global key position) gives the whole's gradients."""
+    q, k, v, _, pm, dout, _ = _bwd_inputs()
+    key, rate, cut, lk = jax.random.key(8), 0.2, 4, k.shape[1]
+    whole = lambda q, k, v: flash_attention(q, k, v, padding_mask=pm, rate=rate, key=key)
+    want = jax.vjp(whole, q, k, v)[1](dout)
+    parts = [(0, cut), (cut, lk)]
+    blk = lambda lo, hi: dict(padding_mask=pm[:, lo:hi], rate=rate, key=key, kv_offset=lo, kv_total=lk)
+    outs = [flash_attention(q, k[:, lo:hi], v[:, lo:hi], return_lse=True, **blk(lo, hi)) for lo, hi in parts]
+    out, lse = merge_attention(*outs[0], *outs[1])
+    np.testing.assert_allclose(out, whole(q, k, v), rtol=1e-5, atol=1e-6)
+    grads = [flash_attention_bwd(dout, q, k[:, lo:hi], v[:, lo:hi], out, lse, **blk(lo, hi)) for lo, hi in parts]
+    np.testing.assert_allclose(grads[0][0] + grads[1][0], want[0], rtol=1e-5, atol=1e-5)
+    for i, name in ((1, "dk"), (2, "dv")):
+        np.testing.assert_allclose(jnp.concatenate([g[i] for g in grads], axis=1), want[i], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_bad_offsets_and_backward_inputs():
+    q, k, v = qkv(2, 3, 4, 4, 2, 8)
+    op = "flash_attention"
+    with pytest.raises(ValueError, match=rf"{op}: q_offset must be in \[0, 7\]"):
+        flash_attention(q, k, v, q_offset=8, q_total=10)
+    with pytest.raises(ValueError, match=rf"{op}: kv_offset must be in \[0, 0\]"):
+        flash_attention(q, k, v, kv_offset=1)
+    with pytest.raises(ValueError, match=rf"{op}: kv_total must be in \[4, 2\*\*31\)"):
+        flash_attention(q, k, v, kv_total=3)
+    with pytest.raises(TypeError, match=f"{op}: q_total must be a static int"):
+        flash_attention(q, k, v, q_total=jnp.int32(5))
+    with pytest.raises(TypeError, match=f"{op}: q_offset must be an int or an integer scalar array"):
+        flash_attention(q, k, v, q_offset=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(TypeError, match=f"{op}: kv_offset must be an int or an integer scalar array"):
+        flash_attention(q, k, v, kv_offset=1.0)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    b = "flash_attention_bwd"
+    with pytest.raises(ValueError, match=rf"{b}: out must have shape \(2, 3, 4, 8\)"):
+        flash_attention_bwd(out, q, k, v, out[:, :2], lse)
+    with pytest.raises(ValueError, match=rf"{b}: lse must have shape \(2, 4, 3\)"):
+        flash_attention_bwd(out, q, k, v, out, lse[..., :2])
+    with pytest.raises(TypeError, match=rf"{b}: dout must have dtype float32"):
+        flash_attention_bwd(out.astype(jnp.bfloat16), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=rf"{b}: dlse must have shape \(2, 4, 3\)"):
+        flash_attention_bwd(out, q, k, v, out, lse, dlse=lse[0])
+
+
 # ---------------------------------------------------------------- lse and merging
 def test_merge_of_two_halves_equals_the_whole_values_and_gradients():
     q, k, v = qkv(2, 6, 11, 4, 2, 8, seed=11)
@@ -365,6 +494,16 @@ def test_lowering_for_cuda_calls_the_kernels(declared_targets, name):
         assert f"custom_call @{t}" in text, t
 
 
+def test_lowering_flash_attention_bwd_calls_the_backward_kernel(declared_targets):
+    q, k, v = qkv(2, 5, 7, 4, 2, 64, jnp.bfloat16)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    f = lambda qo: flash_attention_bwd(out, q, k, v, out, lse, rate=0.1, key=jax.random.key(0), q_offset=qo,
+                                       q_total=9)
+    text = cuda_lowering_text(f, jnp.int32(2))
+    assert "custom_call @jax_ls2_flash_attention_bwd" in text
+    assert "custom_call @jax_ls2_flash_attention_fwd" not in text
+
+
 def test_unsupported_head_dim_or_dtype_runs_the_reference_or_raises(declared_targets, monkeypatch):
     q, k, v = qkv(1, 3, 3, 2, 2, 48, jnp.bfloat16)
     text = cuda_lowering_text(lambda q: flash_attention(q, k, v), q)
@@ -500,9 +639,14 @@ def test_gpu_against_float64_truth(name, dtype):
         assert_within_2x(f"{name} {gname}", a, ax, t)
 
 
+# (b, lq, lk, h, hk, d, causal, (q_offset, kv_offset, q_total, kv_total) or None)
 GPU_DROPOUT_CASES = {
-    "d64 causal": (2, 70, 64, 4, 2, 64, True),
-    "d128 odd q": (1, 33, 128, 2, 2, 128, False),
+    "d64 causal": (2, 70, 64, 4, 2, 64, True, None),
+    "d128 odd q": (1, 33, 128, 2, 2, 128, False, None),
+    # A block of a 70001 x 70001 attention whose head-0 row 61355 crosses index 2**32 at
+    # key 41 (odd row start) or 40 (even); head 1 lies past 2**32.
+    "d128 block past 2**32 odd": (1, 33, 128, 2, 2, 128, False, (61340, 55900, 70001, 70001)),
+    "d64 block past 2**32 even": (1, 33, 64, 2, 1, 64, True, (61340, 55901, 70001, 70001)),
 }
 
 
@@ -512,11 +656,12 @@ def test_gpu_dropout_mask_and_values_equal_the_reference(name):
     """v = the identity over keys (kv_len == head_dim), so out holds the dropped
     probabilities: the kernel's zeros are exactly the reference's; values and
     gradients (dropout in the backward regenerated) match the reference on the CPU."""
-    b, lq, lk, h, hk, d, causal = GPU_DROPOUT_CASES[name]
+    b, lq, lk, h, hk, d, causal, block = GPU_DROPOUT_CASES[name]
     q, k, _ = qkv(b, lq, lk, h, hk, d, jnp.bfloat16, seed=lq)
     v = jnp.broadcast_to(jnp.eye(lk, dtype=jnp.bfloat16)[None, :, None, :], (b, lk, hk, d))
     key = jax.random.key(17)
-    f = lambda q, k, v: flash_attention(q, k, v, causal=causal, rate=0.2, key=key)
+    numbering = {} if block is None else dict(zip(("q_offset", "kv_offset", "q_total", "kv_total"), block))
+    f = lambda q, k, v: flash_attention(q, k, v, causal=causal, rate=0.2, key=key, **numbering)
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(F32) * q.astype(F32))
     out = np.asarray(jax.jit(f)(q, k, v).astype(F32))
     g = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)

@@ -1,4 +1,5 @@
 // XLA FFI handlers for flash attention (forward and backward).
+#include <climits>
 #include <string>
 
 #include "ffi/common.h"
@@ -40,7 +41,7 @@ ffi::Error BroadcastStrides(const char* op, const char* name, const ffi::AnyBuff
 ffi::Error BuildProblem(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                         const ffi::AnyBuffer& bias, const ffi::AnyBuffer& q_seg, const ffi::AnyBuffer& kv_seg,
                         const ffi::AnyBuffer& seed, float scale, bool causal, int32_t threshold, float keep_scale,
-                        bool has_bias, bool has_seg, FlashAttentionProblem* p) {
+                        bool has_bias, bool has_seg, int64_t q_total, int64_t kv_total, FlashAttentionProblem* p) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return Invalid(op, "q, k and v must have rank 4");
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
@@ -66,9 +67,13 @@ ffi::Error BuildProblem(const char* op, const ffi::AnyBuffer& q, const ffi::AnyB
   if (threshold < 0 || threshold > 65535) return Invalid(op, "dropout threshold must be in [0, 65535]");
   p->threshold = (uint32_t)threshold;
   p->keep_scale = keep_scale;
-  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 3)
-    return Invalid(op, "seed must be uint32[3]");
+  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 5)
+    return Invalid(op, "seed must be uint32[5] (k0, k1, shard offset, q_offset, kv_offset)");
   p->seed = static_cast<const uint32_t*>(seed.untyped_data());
+  if (q_total < p->q_len || kv_total < p->kv_len || q_total > INT32_MAX || kv_total > INT32_MAX)
+    return Invalid(op, "q_total and kv_total must be at least q_len and kv_len and below 2^31");
+  p->drop_q_total = q_total;
+  p->drop_kv_total = kv_total;
   if (has_bias) {
     if (bias.element_type() != ffi::DataType::F32) return Invalid(op, "bias must be float32");
     const int64_t full[4] = {p->batch, p->heads, p->q_len, p->kv_len};
@@ -96,16 +101,17 @@ ffi::Error CheckRows(const char* op, const char* name, const ffi::AnyBuffer& buf
 // Args: q (batch, q_len, heads, head_dim) T; k, v (batch, kv_len, kv_heads, head_dim) T;
 //       bias (batch|1, heads|1, q_len|1, kv_len|1) f32 (ignored unless has_bias);
 //       q_seg (batch|1, q_len|1) s32, kv_seg (batch|1, kv_len|1) s32 (ignored unless
-//       has_seg); seed u32[3]
+//       has_seg); seed u32[5] (k0, k1, shard offset, q_offset, kv_offset)
 // Rets: out (batch, q_len, heads, head_dim) T; lse (batch, heads, q_len) f32
 ffi::Error FlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer seed,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale, bool causal,
-                        int32_t threshold, float keep_scale, bool has_bias, bool has_seg) {
+                        int32_t threshold, float keep_scale, bool has_bias, bool has_seg, int64_t q_total,
+                        int64_t kv_total) {
   const char* op = "flash_attention";
   FlashAttentionFwdArgs a{};
   if (auto e = BuildProblem(op, q, k, v, bias, q_seg, kv_seg, seed, scale, causal, threshold, keep_scale, has_bias,
-                            has_seg, &a.p);
+                            has_seg, q_total, kv_total, &a.p);
       e.failure())
     return e;
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
@@ -130,11 +136,11 @@ ffi::Error FlashBwdImpl(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> delta, float scale, bool causal, int32_t threshold,
-                        float keep_scale, bool has_bias, bool has_seg) {
+                        float keep_scale, bool has_bias, bool has_seg, int64_t q_total, int64_t kv_total) {
   const char* op = "flash_attention backward";
   FlashAttentionBwdArgs a{};
   if (auto e = BuildProblem(op, q, k, v, bias, q_seg, kv_seg, seed, scale, causal, threshold, keep_scale, has_bias,
-                            has_seg, &a.p);
+                            has_seg, q_total, kv_total, &a.p);
       e.failure())
     return e;
   for (const ffi::AnyBuffer* b : {&dout, &out})
@@ -185,7 +191,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashFwdImpl,
                                   .Attr<int32_t>("threshold")
                                   .Attr<float>("keep_scale")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_seg"),
+                                  .Attr<bool>("has_seg")
+                                  .Attr<int64_t>("q_total")
+                                  .Attr<int64_t>("kv_total"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionBwd, FlashBwdImpl,
@@ -212,7 +220,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionBwd, FlashBwdImpl,
                                   .Attr<int32_t>("threshold")
                                   .Attr<float>("keep_scale")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_seg"),
+                                  .Attr<bool>("has_seg")
+                                  .Attr<int64_t>("q_total")
+                                  .Attr<int64_t>("kv_total"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_LS2_REGISTER("jax_ls2_flash_attention_fwd", FlashAttentionFwd);

@@ -171,17 +171,28 @@ __device__ __forceinline__ uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   return x;
 }
-__device__ __forceinline__ uint32_t DropoutHash(uint32_t even_g, uint32_t k0, uint32_t k1) {
-  // Mix32(w ^ k1) with w = even_g * C + k0, its first step written as
-  // w ^ (w >> 16) ^ (k1 ^ (k1 >> 16)): the k1 term is loop-invariant, so the step
-  // stays one shift and one three-input xor.
+// k1's share of Mix32's first step (see DropoutHashFolded).
+__device__ __forceinline__ uint32_t FoldKey(uint32_t k1) { return k1 ^ (k1 >> 16); }
+// DropoutHash with k1f = FoldKey(k1): Mix32(w ^ k1) with w = even_g * C + k0, its first
+// step written as w ^ (w >> 16) ^ (k1 ^ (k1 >> 16)): the k1 term is loop-invariant, so
+// the step stays one shift and one three-input xor.
+__device__ __forceinline__ uint32_t DropoutHashFolded(uint32_t even_g, uint32_t k0, uint32_t k1f) {
   uint32_t x = even_g * kDropoutIndexMul + k0;
-  x ^= (x >> 16) ^ (k1 ^ (k1 >> 16));
+  x ^= (x >> 16) ^ k1f;
   x *= kMix32Mul1;
   x ^= x >> 15;
   x *= kMix32Mul2;
   x ^= x >> 16;
   return x;
+}
+__device__ __forceinline__ uint32_t DropoutHash(uint32_t even_g, uint32_t k0, uint32_t k1) {
+  return DropoutHashFolded(even_g, k0, FoldKey(k1));
+}
+// The 64-bit index g = hi * 2^32 + lo (jax_ls2/_random.py, keep_bits_wide): element g
+// draws from DropoutHash(lo & ~1, k0, k1 ^ c) ^ c with c = DropoutWideWord(hi, k1), which
+// is 0 for hi = 0 (the 32-bit generator) and whitens every other 2^32 block.
+__device__ __forceinline__ uint32_t DropoutWideWord(uint32_t hi, uint32_t k1) {
+  return Mix32(hi * kDropoutIndexMul + k1) ^ Mix32(k1);
 }
 // The two draws of hash h against thr16 = threshold << 16: the low half u is kept iff
 // (u << 16) >= thr16, the high half iff h >= thr16 (one compare each, no extraction).

@@ -166,8 +166,8 @@ struct RowCtx {
   const float* bias;      // at (b, h), or nullptr
   const int32_t* q_seg;   // at b, or nullptr
   const int32_t* kv_seg;  // at b
-  uint32_t drop_base;     // dropout index of element (b, h, 0, 0)
-  DropoutSeed seed;
+  uint64_t drop_row0;     // dropout row of query 0: (b * heads + h) * q_total + q_offset
+  uint32_t k0, k1, kv_offset;
 };
 
 __device__ __forceinline__ RowCtx MakeRowCtx(const FlashAttentionProblem& p, int b, int h) {
@@ -175,17 +175,71 @@ __device__ __forceinline__ RowCtx MakeRowCtx(const FlashAttentionProblem& p, int
   c.bias = p.bias ? p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] : nullptr;
   c.q_seg = p.q_seg ? p.q_seg + b * p.q_seg_stride[0] : nullptr;
   c.kv_seg = p.kv_seg ? p.kv_seg + b * p.kv_seg_stride[0] : nullptr;
-  c.seed = DropoutSeed{0u, 0u, 0u};
-  c.drop_base = 0u;
+  c.drop_row0 = 0u;
+  c.k0 = c.k1 = c.kv_offset = 0u;
   if (p.threshold) {
-    c.seed = DropoutSeed{p.seed[0], p.seed[1], p.seed[2]};
+    c.k0 = p.seed[0];
+    c.k1 = p.seed[1];
+    c.kv_offset = p.seed[4];
     const uint64_t per_batch = (uint64_t)p.q_len * p.heads * p.head_dim;
-    const uint32_t first_batch = c.seed.offset / (uint32_t)(per_batch > 0xffffffffull ? 0xffffffffull : per_batch);
-    const uint64_t bh = (uint64_t)b * p.heads + h;
-    c.drop_base = first_batch * (uint32_t)((uint64_t)p.heads * p.q_len * p.kv_len) +
-                  (uint32_t)(bh * (uint64_t)p.q_len * (uint64_t)p.kv_len);
+    const uint32_t first_batch = p.seed[2] / (uint32_t)(per_batch > 0xffffffffull ? 0xffffffffull : per_batch);
+    c.drop_row0 = ((uint64_t)first_batch + b) * p.heads + h;
+    c.drop_row0 = c.drop_row0 * (uint64_t)p.drop_q_total + p.seed[3];
   }
   return c;
+}
+
+// The dropout numbering of one query row i: key j (of this call) has the 64-bit index
+// base + j, base = (drop_row0 + i) * kv_total + kv_offset; its low word is lo0 + j
+// (uint32), its high word hi0 for j < wrap and hi0 + 1 from there (rows are shorter
+// than 2^32). k1f[s] and c[s] are the hash words of high word hi0 + s.
+struct DropRow {
+  uint32_t lo0;
+  int32_t wrap;
+  uint32_t k1f[2], c[2];
+};
+
+__device__ __forceinline__ DropRow MakeDropRow(const FlashAttentionProblem& p, const RowCtx& c, int i) {
+  const uint64_t base = (c.drop_row0 + (uint64_t)i) * (uint64_t)p.drop_kv_total + c.kv_offset;
+  DropRow d;
+  d.lo0 = (uint32_t)base;
+  const uint64_t to_wrap = (1ull << 32) - d.lo0;
+  d.wrap = to_wrap > 0x7fffffffull ? 0x7fffffff : (int32_t)to_wrap;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    d.c[s] = DropoutWideWord((uint32_t)(base >> 32) + (uint32_t)s, c.k1);
+    d.k1f[s] = FoldKey(c.k1 ^ d.c[s]);
+  }
+  return d;
+}
+
+// Fills rows[r] for the query rows i0 + r, r < n (shared memory; the caller syncs).
+template <int NT>
+__device__ __forceinline__ void FillDropRows(DropRow* rows, const FlashAttentionProblem& p, const RowCtx& c,
+                                             int i0, int n) {
+  for (int r = threadIdx.x; r < n; r += NT) rows[r] = MakeDropRow(p, c, i0 + r);
+}
+
+// Keep flag of key j of a row; thr16 = threshold << 16.
+__device__ __forceinline__ bool DropKeep(const DropRow& d, uint32_t k0, uint32_t thr16, int j) {
+  const uint32_t lo = d.lo0 + (uint32_t)j;
+  const int s = j >= d.wrap;
+  const uint32_t h = DropoutHashFolded(lo & ~1u, k0, d.k1f[s]) ^ d.c[s];
+  return (lo & 1u) ? KeepHigh(h, thr16) : KeepLow(h, thr16);
+}
+// Keep flags of keys j, j + 1 (j even) of a row: one hash when the row's numbering is
+// even (lo0 + j even: the pair shares a hash and a high word).
+__device__ __forceinline__ void DropKeepPair(const DropRow& d, uint32_t k0, uint32_t thr16, int j, bool& keep0,
+                                             bool& keep1) {
+  if ((d.lo0 & 1u) == 0u) {
+    const int s = j >= d.wrap;
+    const uint32_t h = DropoutHashFolded(d.lo0 + (uint32_t)j, k0, d.k1f[s]) ^ d.c[s];
+    keep0 = KeepLow(h, thr16);
+    keep1 = KeepHigh(h, thr16);
+  } else {
+    keep0 = DropKeep(d, k0, thr16, j);
+    keep1 = DropKeep(d, k0, thr16, j + 1);
+  }
 }
 
 // Logit (log2 units) of (i, j) from the raw q.k, -inf where masked. `check` false
@@ -203,19 +257,6 @@ __device__ __forceinline__ float Logit2(const FlashAttentionProblem& p, const Ro
 
 __device__ __forceinline__ int32_t QSeg(const FlashAttentionProblem& p, const RowCtx& c, int i) {
   return (c.q_seg && i < p.q_len) ? c.q_seg[(int64_t)i * p.q_seg_stride[1]] : 0;
-}
-
-// Dropout factors of the pair (i, j), (i, j + 1): keep_scale or 0.
-__device__ __forceinline__ void DropPairAlongKeys(const FlashAttentionProblem& p, const RowCtx& c, int i, int j,
-                                                  float& z0, float& z1) {
-  bool keep[2];
-  KeepVec<2>(c.drop_base + (uint32_t)((uint64_t)i * p.kv_len) + (uint32_t)j, c.seed, p.threshold, keep);
-  z0 = keep[0] ? p.keep_scale : 0.f;
-  z1 = keep[1] ? p.keep_scale : 0.f;
-}
-__device__ __forceinline__ float DropOne(const FlashAttentionProblem& p, const RowCtx& c, int i, int j) {
-  const uint32_t g = c.drop_base + (uint32_t)((uint64_t)i * p.kv_len) + (uint32_t)j;
-  return DropoutKeep(g, c.seed, p.threshold) ? p.keep_scale : 0.f;
 }
 
 // Keys a query block q0 .. q0 + rows - 1 can attend: [0, end).
@@ -245,6 +286,7 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + BQ * D;      // 2 buffers
   T* sV = sK + 2 * BK * D;  // 2 buffers
+  DropRow* sDrop = reinterpret_cast<DropRow*>(sV + 2 * BK * D);  // BQ rows
   const FlashAttentionProblem& p = a.p;
   const int q0 = QueryBlock(p) * BQ, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.heads / p.kv_heads);
@@ -254,6 +296,8 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
   const int64_t q_stride = (int64_t)p.heads * D, kv_stride = (int64_t)p.kv_heads * D;
+  const RowCtx ctx = MakeRowCtx(p, b, h);
+  if (p.threshold) FillDropRows<NT>(sDrop, p, ctx, q0, BQ);
   const T* gq = Q + ((int64_t)b * p.q_len + q0) * q_stride + (int64_t)h * D;
   const T* gk = K + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
   const T* gv = V + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
@@ -269,7 +313,6 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
   CpAsyncWaitAll();
   __syncthreads();
 
-  const RowCtx ctx = MakeRowCtx(p, b, h);
   // Row tile mt of this warp: tile rows warp_row0 + 16 mt ...; thread rows + g and + g + 8.
   const int warp_row0 = warp * MT * kWarpRows;
   int row[MT][2];
@@ -366,15 +409,17 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
         }
       }
       if (p.threshold) {
+        const uint32_t thr16 = p.threshold << 16;
 #pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
+        for (int r = 0; r < 2; ++r) {
+          const DropRow& d = sDrop[row[mt][r] - q0];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float z0, z1;
-            DropPairAlongKeys(p, ctx, row[mt][r], n0 + n * 8 + 2 * t4, z0, z1);
+          for (int n = 0; n < BK / 8; ++n) {
+            bool keep0, keep1;
+            DropKeepPair(d, ctx.k0, thr16, n0 + n * 8 + 2 * t4, keep0, keep1);
             // keep_scale is applied with 1 / l at the end.
-            s[mt][n][2 * r] = z0 != 0.f ? s[mt][n][2 * r] : 0.f;
-            s[mt][n][2 * r + 1] = z1 != 0.f ? s[mt][n][2 * r + 1] : 0.f;
+            s[mt][n][2 * r] = keep0 ? s[mt][n][2 * r] : 0.f;
+            s[mt][n][2 * r + 1] = keep1 ? s[mt][n][2 * r + 1] : 0.f;
           }
         }
       }
@@ -468,6 +513,7 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
   T* sO = sQ + BQ * D;      // dout
   T* sK = sO + BQ * D;      // 2 buffers
   T* sV = sK + 2 * BK * D;  // 2 buffers
+  DropRow* sDrop = reinterpret_cast<DropRow*>(sV + 2 * BK * D);  // BQ rows
   const FlashAttentionProblem& p = a.p;
   const int q0 = QueryBlock(p) * BQ, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.heads / p.kv_heads);
@@ -478,6 +524,8 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
   const T* V = static_cast<const T*>(p.v);
   const T* DO = static_cast<const T*>(a.dout);
   const int64_t q_stride = (int64_t)p.heads * D, kv_stride = (int64_t)p.kv_heads * D;
+  const RowCtx ctx = MakeRowCtx(p, b, h);
+  if (p.threshold) FillDropRows<NT>(sDrop, p, ctx, q0, BQ);
   const int64_t q_at = ((int64_t)b * p.q_len + q0) * q_stride + (int64_t)h * D;
   const T* gk = K + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
   const T* gv = V + (int64_t)b * p.kv_len * kv_stride + (int64_t)hk * D;
@@ -501,7 +549,6 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
     LoadA<D>(sO, warp * kWarpRows, kc, df[kc]);
   }
 
-  const RowCtx ctx = MakeRowCtx(p, b, h);
   const int row[2] = {q0 + warp * kWarpRows + g, q0 + warp * kWarpRows + g + 8};
   const int32_t qs[2] = {QSeg(p, ctx, row[0]), QSeg(p, ctx, row[1])};
   float lse2[2], delta[2];
@@ -553,7 +600,12 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
       for (int r = 0; r < 2; ++r) {
         const int i = row[r], j = n0 + n * 8 + 2 * t4;
         float z0 = 1.f, z1 = 1.f;
-        if (p.threshold) DropPairAlongKeys(p, ctx, i, j, z0, z1);
+        if (p.threshold) {
+          bool keep0, keep1;
+          DropKeepPair(sDrop[i - q0], ctx.k0, p.threshold << 16, j, keep0, keep1);
+          z0 = keep0 ? p.keep_scale : 0.f;
+          z1 = keep1 ? p.keep_scale : 0.f;
+        }
         const float p0 = Exp2Approx(Logit2(p, ctx, s[n][2 * r], i, j, qs[r], check, scale2) - lse2[r]);
         const float p1 = Exp2Approx(Logit2(p, ctx, s[n][2 * r + 1], i, j + 1, qs[r], check, scale2) - lse2[r]);
         const float ds0 = p0 * (dp[n][2 * r] * z0 - delta[r]);
@@ -609,6 +661,7 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
   T* sO = sQ + 2 * BQ * D;  // dout, 2 buffers
   float* sL = reinterpret_cast<float*>(sO + 2 * BQ * D);  // lse2, 2 buffers
   float* sD = sL + 2 * BQ;                                // delta, 2 buffers
+  DropRow* sDrop = reinterpret_cast<DropRow*>(sD + 2 * BQ);  // 2 buffers of BQ rows
   const FlashAttentionProblem& p = a.p;
   const int n0 = blockIdx.x * BK, hk = blockIdx.y, b = blockIdx.z;
   const int groups = p.heads / p.kv_heads;
@@ -640,6 +693,7 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
       sL[buf * BQ + r] = i < p.q_len ? Lse2(a.lse[at]) : INFINITY;
       sD[buf * BQ + r] = i < p.q_len ? a.delta[at] : 0.f;
     }
+    if (p.threshold) FillDropRows<NT>(sDrop + buf * BQ, p, MakeRowCtx(p, b, h), qq, BQ);
   };
 
   LoadTile<T, BK, D, NT>(sK, K + kv_at, kv_stride, p.kv_len - n0, K);
@@ -702,7 +756,8 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
         const int c = n * 8 + 2 * t4 + (e & 1);
         const int i = qq + c, j = key[e >> 1];
         const float pr = Exp2Approx(Logit2(p, ctx, st[n][e], i, j, QSeg(p, ctx, i), check, scale2) - cL[c]);
-        const float z = p.threshold ? DropOne(p, ctx, i, j) : 1.f;
+        float z = 1.f;
+        if (p.threshold) z = DropKeep(sDrop[buf * BQ + c], ctx.k0, p.threshold << 16, j) ? p.keep_scale : 0.f;
         st[n][e] = pr * z;                        // (P z)^T, for dv
         dpt[n][e] = pr * (dpt[n][e] * z - cD[c]);  // dS^T, for dk
       }
@@ -760,7 +815,7 @@ cudaError_t LaunchWithSmem(void (*kernel)(Args), dim3 grid, int threads, size_t 
 template <typename T, int D>
 cudaError_t Fwd(const FlashAttentionFwdArgs& a, cudaStream_t stream) {
   using Tile = FwdTile<D>;
-  const size_t smem = (size_t)(Tile::kBQ + 4 * Tile::kBK) * D * sizeof(T);
+  const size_t smem = (size_t)(Tile::kBQ + 4 * Tile::kBK) * D * sizeof(T) + Tile::kBQ * sizeof(DropRow);
   const dim3 grid((a.p.q_len + Tile::kBQ - 1) / Tile::kBQ, a.p.heads, a.p.batch);
   return LaunchWithSmem(FlashFwdKernel<T, D>, grid, Tile::kWarps * 32, smem, stream, a);
 }
@@ -777,12 +832,13 @@ cudaError_t Bwd(const FlashAttentionBwdArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   using DqT = DqTile<D>;
-  const size_t dq_smem = (size_t)(2 * DqT::kBQ + 4 * DqT::kBK) * D * sizeof(T);
+  const size_t dq_smem = (size_t)(2 * DqT::kBQ + 4 * DqT::kBK) * D * sizeof(T) + DqT::kBQ * sizeof(DropRow);
   const dim3 dq_grid((p.q_len + DqT::kBQ - 1) / DqT::kBQ, p.heads, p.batch);
   err = LaunchWithSmem(FlashDqKernel<T, D>, dq_grid, DqT::kWarps * 32, dq_smem, stream, a);
   if (err != cudaSuccess) return err;
   using KvT = DkvTile<D>;
-  const size_t kv_smem = (size_t)(2 * KvT::kBK + 4 * KvT::kBQ) * D * sizeof(T) + 4 * KvT::kBQ * sizeof(float);
+  const size_t kv_smem = (size_t)(2 * KvT::kBK + 4 * KvT::kBQ) * D * sizeof(T) + 4 * KvT::kBQ * sizeof(float) +
+                         2 * KvT::kBQ * sizeof(DropRow);
   const dim3 kv_grid((p.kv_len + KvT::kBK - 1) / KvT::kBK, p.kv_heads, p.batch);
   return LaunchWithSmem(FlashDkvKernel<T, D>, kv_grid, KvT::kWarps * 32, kv_smem, stream, a);
 }

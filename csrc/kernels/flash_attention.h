@@ -26,10 +26,15 @@ struct FlashAttentionProblem {
   const int32_t* q_seg;
   const int32_t* kv_seg;
   int64_t q_seg_stride[2], kv_seg_stride[2];
-  // uint32[3] dropout seed (k0, k1, offset); the offset counts the query elements of
-  // the batch shards before this one, so the first batch index is
-  // offset / (q_len * heads * head_dim).
+  // uint32[5] dropout seed (k0, k1, shard_offset, q_offset, kv_offset). shard_offset
+  // counts the query elements of the batch shards before this one, so the first batch
+  // index is shard_offset / (q_len * heads * head_dim). Element (b, h, i, j) of the
+  // probabilities has the 64-bit dropout index
+  // ((b * heads + h) * drop_q_total + q_offset + i) * drop_kv_total + kv_offset + j:
+  // this call is the block at (q_offset, kv_offset) of a drop_q_total x drop_kv_total
+  // attention whose masks it draws.
   const uint32_t* seed;
+  int64_t drop_q_total, drop_kv_total;
   int batch, q_len, kv_len, heads, kv_heads, head_dim;
   float scale;         // logits = scale * q.k + bias
   uint32_t threshold;  // 16-bit dropout threshold (0: no dropout)

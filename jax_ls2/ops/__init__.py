@@ -14,9 +14,9 @@ __all__ += ["softmax_dropout"]
 from jax_ls2.ops.embedding import embedding
 
 __all__ += ["embedding"]
-from jax_ls2.ops.flash_attention import flash_attention, merge_attention
+from jax_ls2.ops.flash_attention import flash_attention, flash_attention_bwd, merge_attention
 
-__all__ += ["flash_attention", "merge_attention"]
+__all__ += ["flash_attention", "flash_attention_bwd", "merge_attention"]
 from jax_ls2.ops.fp8_cast import (bias_gelu_fp8, cast_transpose, dgelu_cast_transpose_dbias, layer_norm_fp8,
                                   layer_norm_fp8_backward)
 

@@ -11,15 +11,19 @@ testing and short sequences.
 
 Dropout masks come from the counter-based generator of :mod:`jax_ls2._random`: the
 element at ``(b, h, i, j)`` of the probabilities (batch, query head, query, key) has
-the global index ``((b * heads + h) * q_len + i) * kv_len + j`` (uint32 arithmetic)
-and is kept iff its 16-bit draw is ``>= round(rate * 65536)``; kept probabilities are
-scaled by ``keep_scale(rate)``. So the same key gives the same mask as
-``softmax_dropout`` on the ``(batch, heads, q_len, kv_len)`` scores. Under ``jit`` with
-the batch sharded, a shard's seed offset word counts the query elements before it (see
-`jax_ls2._dispatch`), from which the kernel and the reference derive the shard's first
-batch index, so shards draw the unsharded mask. The index is a uint32 counter, as for
-the other ops: beyond 2**32 probabilities per call (a 131072-token sequence with 32
-heads has 2**39) the numbering wraps, and masks repeat with that period.
+the 64-bit index ``((b * heads + h) * q_total + q_offset + i) * kv_total + kv_offset +
+j`` (`jax_ls2._random.keep_bits_wide`) and is kept iff its 16-bit draw is ``>=
+round(rate * 65536)``; kept probabilities are scaled by ``keep_scale(rate)``. By default
+``q_offset = kv_offset = 0``, ``q_total = q_len`` and ``kv_total = kv_len``, and below
+2**32 elements the draws are those of the 32-bit generator of the other ops, so the
+same key gives the same mask as ``softmax_dropout`` on the ``(batch, heads, q_len,
+kv_len)`` scores; beyond 2**32 (a 131072-token sequence with 32 heads has 2**39) the
+index keeps counting, so no mask repeats. With the offsets and totals, a call on the
+block ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)`` of a larger
+``q_total x kv_total`` attention draws that block of the larger attention's mask (ring
+attention's blocks). Under ``jit`` with the batch sharded, a shard's seed offset word
+counts the query elements before it (see `jax_ls2._dispatch`), from which the kernel and
+the reference derive the shard's first batch index, so shards draw the unsharded mask.
 
 The CUDA kernels take float16 and bfloat16 with head_dim 64 or 128 (KERNEL_DTYPES,
 KERNEL_HEAD_DIMS); other dtypes and head dims run the reference, with a warning on a
@@ -57,13 +61,30 @@ def _batch_offset(seed, q_shape):
     return seed[2] // np.uint32(min(lq * h * d, 2**32 - 1))
 
 
-def attention_keep_mask(seed, q_shape, kv_len: int, threshold: int):
+def attention_keep_mask(seed, q_shape, kv_len: int, threshold: int, q_total: int | None = None,
+                        kv_total: int | None = None):
     """The dropout keep mask ``(batch, heads, q_len, kv_len)`` bool for the query shape
-    ``q_shape = (batch, q_len, heads, head_dim)``, as the kernels draw it."""
+    ``q_shape = (batch, q_len, heads, head_dim)``, as the kernels draw it: ``seed`` is
+    the uint32[5] ``(k0, k1, shard_offset, q_offset, kv_offset)`` (a uint32[3] one means
+    offsets 0), ``q_total, kv_total`` the lengths of the attention the call is a block
+    of (default ``q_len, kv_len``); see the module docstring."""
     b, lq, h, _ = q_shape
-    base = _batch_offset(seed, q_shape) * np.uint32((h * lq * kv_len) % 2**32)
-    shifted = jnp.stack([seed[0], seed[1], base.astype(jnp.uint32)])
-    return _random.keep_mask(shifted, (b, h, lq, kv_len), threshold)
+    q_total = lq if q_total is None else int(q_total)
+    kv_total = kv_len if kv_total is None else int(kv_total)
+    seed = jnp.asarray(seed, jnp.uint32)
+    q_off, kv_off = (seed[3], seed[4]) if seed.shape[0] >= 5 else (np.uint32(0), np.uint32(0))
+    u32 = lambda x: jnp.asarray(x, jnp.uint32)
+    bh = (_batch_offset(seed, q_shape) + jnp.arange(b, dtype=jnp.uint32))[:, None] * np.uint32(h) + \
+        jnp.arange(h, dtype=jnp.uint32)[None, :]
+    # Row index (b, h, i) = bh * q_total + q_offset + i, then its first element
+    # row * kv_total + kv_offset, as (hi, lo) uint32 words.
+    hi, lo = _random.mul_wide(bh[:, :, None], u32(q_total))
+    hi, lo = _random.add_wide(hi, lo, u32(q_off) + jnp.arange(lq, dtype=jnp.uint32))
+    hi2, lo = _random.mul_wide(lo, u32(kv_total))
+    hi, lo = _random.add_wide(hi * np.uint32(kv_total) + hi2, lo, u32(kv_off))
+    lo_e = lo[..., None] + jnp.arange(kv_len, dtype=jnp.uint32)
+    hi_e = hi[..., None] + (lo_e < lo[..., None]).astype(jnp.uint32)
+    return _random.keep_bits_wide(seed[0], seed[1], hi_e, lo_e, threshold)
 
 
 def _valid(q_shape, kv_len, q_seg, kv_seg, *, causal, has_seg):
@@ -96,21 +117,22 @@ def _probs(s, lse):
     return jnp.exp(s - safe)
 
 
-def _dropped(p, seed, q_shape, *, threshold, keep_scale):
+def _dropped(p, seed, q_shape, *, threshold, keep_scale, q_total, kv_total):
     if not threshold:
         return p
-    keep = attention_keep_mask(seed, q_shape, p.shape[-1], threshold)
+    keep = attention_keep_mask(seed, q_shape, p.shape[-1], threshold, q_total, kv_total)
     return jnp.where(keep, p * jnp.asarray(keep_scale, p.dtype), jnp.zeros((), p.dtype))
 
 
 def _fwd_reference(q, k, v, bias, q_seg, kv_seg, seed, *, scale, causal, threshold, keep_scale, has_bias,
-                   has_seg):
+                   has_seg, q_total, kv_total):
     s = _logits(q, k, bias, q_seg, kv_seg, scale=scale, causal=causal, has_bias=has_bias, has_seg=has_seg)
     m = jnp.max(s, axis=-1)
     m = jnp.where(jnp.isneginf(m), jnp.zeros((), s.dtype), m)
     total = jnp.sum(jnp.exp(s - m[..., None]), axis=-1)
     lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
-    p = _dropped(_probs(s, lse), seed, q.shape, threshold=threshold, keep_scale=keep_scale)
+    p = _dropped(_probs(s, lse), seed, q.shape, threshold=threshold, keep_scale=keep_scale, q_total=q_total,
+                 kv_total=kv_total)
     groups = q.shape[2] // k.shape[2]
     vx = jnp.repeat(v, groups, axis=2) if groups > 1 else v
     out = jnp.einsum("bhqk,bkhd->bqhd", p, vx.astype(p.dtype), precision=jax.lax.Precision.HIGHEST)
@@ -124,7 +146,7 @@ def _group_sum(x, kv_heads):
 
 
 def _bwd_reference(dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, seed, *, scale, causal, threshold,
-                   keep_scale, has_bias, has_seg):
+                   keep_scale, has_bias, has_seg, q_total, kv_total):
     hi = jax.lax.Precision.HIGHEST
     s = _logits(q, k, bias, q_seg, kv_seg, scale=scale, causal=causal, has_bias=has_bias, has_seg=has_seg)
     ct = s.dtype
@@ -133,9 +155,10 @@ def _bwd_reference(dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, seed, *, 
     kx = jnp.repeat(k, groups, axis=2).astype(ct)
     vx = jnp.repeat(v, groups, axis=2).astype(ct)
     do = dout.astype(ct)
-    pz = _dropped(p, seed, q.shape, threshold=threshold, keep_scale=keep_scale)
-    dpz = _dropped(jnp.einsum("bqhd,bkhd->bhqk", do, vx, precision=hi), seed, q.shape, threshold=threshold,
-                   keep_scale=keep_scale)
+    drop = functools.partial(_dropped, seed=seed, q_shape=q.shape, threshold=threshold, keep_scale=keep_scale,
+                             q_total=q_total, kv_total=kv_total)
+    pz = drop(p)
+    dpz = drop(jnp.einsum("bqhd,bkhd->bhqk", do, vx, precision=hi))
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(ct), precision=hi) - dlse.astype(ct)
     ds = p * (dpz - delta[..., None])
     sc = jnp.asarray(scale, ct)
@@ -152,9 +175,10 @@ def _bwd_reference(dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, seed, *, 
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(*arrays, scale, causal, threshold, keep_scale, has_bias, has_seg):
+def _attrs(*arrays, scale, causal, threshold, keep_scale, has_bias, has_seg, q_total, kv_total):
     return dict(scale=np.float32(scale), causal=bool(causal), threshold=np.int32(threshold),
-                keep_scale=np.float32(keep_scale), has_bias=bool(has_bias), has_seg=bool(has_seg))
+                keep_scale=np.float32(keep_scale), has_bias=bool(has_bias), has_seg=bool(has_seg),
+                q_total=np.int64(q_total), kv_total=np.int64(kv_total))
 
 
 def _fwd_types(q, k, v, *arrays, **static):
@@ -196,11 +220,12 @@ def _bwd_kernel(bias_batched: bool) -> FusedKernel:
 
 
 # ---------------------------------------------------------------- custom_vjp
-# cfg = (scale, causal, threshold, keep_scale, has_bias, has_seg, use_kernel), all static.
+# cfg = (scale, causal, threshold, keep_scale, has_bias, has_seg, q_total, kv_total,
+# use_kernel), all static.
 def _static(cfg):
-    scale, causal, threshold, keep_scale, has_bias, has_seg, _ = cfg
+    scale, causal, threshold, keep_scale, has_bias, has_seg, q_total, kv_total, _ = cfg
     return dict(scale=scale, causal=causal, threshold=threshold, keep_scale=keep_scale, has_bias=has_bias,
-                has_seg=has_seg)
+                has_seg=has_seg, q_total=q_total, kv_total=kv_total)
 
 
 def _forward(q, k, v, bias, q_seg, kv_seg, seed, cfg):
@@ -219,9 +244,8 @@ def _flash_fwd(q, k, v, bias, q_seg, kv_seg, seed, cfg):
     return (out, lse), (q, k, v, bias, q_seg, kv_seg, seed, out, lse)
 
 
-def _flash_bwd(cfg, res, cts):
-    q, k, v, bias, q_seg, kv_seg, seed, out, lse = res
-    dout, dlse = cts
+def _backward(dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, seed, cfg):
+    """(dq, dk, dv, dbias in the bias' dtype, zeros without a bias)."""
     args = (dout, dlse.astype(lse.dtype), q, k, v, out, lse, bias, q_seg, kv_seg, seed)
     if cfg[-1]:
         dq, dk, dv, dbias = _bwd_kernel(bias.shape[0] != 1 or q.shape[0] == 1)(*args, **_static(cfg))
@@ -229,6 +253,13 @@ def _flash_bwd(cfg, res, cts):
         dq, dk, dv, dbias = _bwd_reference(*args, **_static(cfg))
     has_bias = cfg[4]
     dbias = dbias.astype(bias.dtype) if has_bias else jnp.zeros_like(bias)
+    return dq, dk, dv, dbias
+
+
+def _flash_bwd(cfg, res, cts):
+    q, k, v, bias, q_seg, kv_seg, seed, out, lse = res
+    dout, dlse = cts
+    dq, dk, dv, dbias = _backward(dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, seed, cfg)
     return dq, dk, dv, dbias, None, None, None
 
 
@@ -278,7 +309,8 @@ def _check_segments(op, segment_ids, b, lq, lk):
 
 def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, causal: bool = False,
                     scale: float | None = None, rate: float = 0.0, key=None, deterministic: bool = False,
-                    return_lse: bool = False):
+                    return_lse: bool = False, q_offset=0, kv_offset=0, q_total: int | None = None,
+                    kv_total: int | None = None):
     """Attention ``softmax(scale * q k^T + bias, masked) v`` with dropout on the
     probabilities, without a ``(q_len, kv_len)`` array in memory on the GPU.
 
@@ -303,6 +335,14 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
         not ``deterministic``.
       return_lse: also return the log-sum-exp of each row's logits, float32 (float64
         for float64 inputs).
+      q_offset, kv_offset, q_total, kv_total: the dropout mask's numbering only (masks,
+        causality and bias are those of this call alone): this call is the block
+        ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)`` of a
+        ``q_total x kv_total`` attention, and element ``(b, h, i, j)`` gets the mask
+        bit of element ``(b, h, q_offset + i, kv_offset + j)`` of that attention for the
+        same key. Offsets: non-negative ints or integer scalars (traced ones too, e.g.
+        from ``axis_index``; the caller keeps them in range); totals: static ints,
+        default ``q_len`` and ``kv_len``, below 2**31.
 
     Returns:
       ``out`` ``(batch, q_len, heads, head_dim)`` in q's dtype, and with
@@ -316,6 +356,101 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
     (`merge_attention`) and differentiated.
     """
     op = "flash_attention"
+    for name, flag in (("return_lse", return_lse),):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{op}: {name} must be a Python bool, got {type(flag).__name__}")
+    arrays, cfg = _prepare(op, q, k, v, bias=bias, padding_mask=padding_mask, segment_ids=segment_ids,
+                           causal=causal, scale=scale, rate=rate, key=key, deterministic=deterministic,
+                           q_offset=q_offset, kv_offset=kv_offset, q_total=q_total, kv_total=kv_total)
+    q, k, v, bias_in, q_seg, kv_seg, seed = arrays
+    out, lse = _flash(q, k, v, bias_in, q_seg, kv_seg, seed, cfg)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_bwd(dout, q, k, v, out, lse, *, dlse=None, bias=None, padding_mask=None, segment_ids=None,
+                        causal: bool = False, scale: float | None = None, rate: float = 0.0, key=None,
+                        deterministic: bool = False, q_offset=0, kv_offset=0, q_total: int | None = None,
+                        kv_total: int | None = None):
+    """The backward of `flash_attention` as one call, from a given ``out`` and ``lse``.
+
+    With the ``out`` and ``lse`` of the attention over all keys (for instance merged
+    from several blocks with `merge_attention`), the gradients this returns for a call
+    over a subset of the keys (``k, v`` a block of them) are that block's share of the
+    whole attention's gradients: ``dq`` sums over the blocks, and ``dk, dv`` (and
+    ``dbias``) are the block's own. So a ring of blocks needs one backward call per
+    block and no forward recomputation.
+
+    Args:
+      dout: ``(batch, q_len, heads, head_dim)``, q's dtype: the cotangent of ``out``.
+      q, k, v: as for `flash_attention`.
+      out: ``(batch, q_len, heads, head_dim)``, q's dtype: the attention's output (over
+        all keys when this call is a block of it).
+      lse: ``(batch, heads, q_len)`` float: its log-sum-exp (-inf for rows that attend
+        nothing).
+      dlse: optional cotangent of ``lse``, ``lse``'s shape (default zeros).
+      bias, padding_mask, segment_ids, causal, scale, rate, key, deterministic, q_offset,
+        kv_offset, q_total, kv_total: as for `flash_attention` (the same values as the
+        forward of this block, so the dropout mask is regenerated).
+
+    Returns:
+      ``(dq, dk, dv)`` in the dtypes of q, k, v, and ``dbias`` (the bias' shape and
+      dtype) after them when a bias is given. Not differentiable again.
+    """
+    op = "flash_attention_bwd"
+    arrays, cfg = _prepare(op, q, k, v, bias=bias, padding_mask=padding_mask, segment_ids=segment_ids,
+                           causal=causal, scale=scale, rate=rate, key=key, deterministic=deterministic,
+                           q_offset=q_offset, kv_offset=kv_offset, q_total=q_total, kv_total=kv_total)
+    q, k, v, bias_in, q_seg, kv_seg, seed = arrays
+    b, lq, h, _ = q.shape
+    for name, x in (("dout", dout), ("out", out)):
+        _checks.check_array(op, name, x, dtypes=None, ndim=4)
+        _checks.check_same_dtype(op, name, x, q.dtype)
+        _checks.check_shape(op, name, x, q.shape)
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is None:
+            continue
+        _checks.check_array(op, name, x, dtypes=None)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{op}: {name} must have a floating dtype, got {x.dtype}")
+        _checks.check_shape(op, name, x, (b, h, lq))
+    lse = lse.astype(jnp.promote_types(lse.dtype, F32))
+    dlse = jnp.zeros(lse.shape, lse.dtype) if dlse is None else dlse.astype(lse.dtype)
+    q, k, v, bias_in, dout, out, lse, dlse = match_varying(q, k, v, bias_in, dout, out, lse, dlse)
+    dq, dk, dv, dbias = _backward(dout, dlse, q, k, v, out, lse, bias_in, q_seg, kv_seg, seed, cfg)
+    if bias is None:
+        return dq, dk, dv
+    return dq, dk, dv, dbias.reshape(bias.shape).astype(bias.dtype)
+
+
+def _check_offset(op, name, value, length, total):
+    """A dropout offset as a uint32 scalar; a concrete one must fit in ``[0, total - length]``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be an int or an integer scalar array, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        if not 0 <= int(value) <= total - length:
+            raise ValueError(f"{op}: {name} must be in [0, {total - length}] (the block must fit in the total "
+                             f"length {total}), got {value}")
+        return jnp.asarray(int(value), jnp.uint32)
+    if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer) or jnp.ndim(value) != 0:
+        raise TypeError(f"{op}: {name} must be an int or an integer scalar array, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)} of shape {jnp.shape(value)}")
+    return jnp.asarray(value).astype(jnp.uint32)
+
+
+def _check_total(op, name, value, length):
+    if value is None:
+        return int(length)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be a static int or None, got {type(value).__name__}")
+    if not length <= int(value) < 2**31:
+        raise ValueError(f"{op}: {name} must be in [{length}, 2**31) (at least this call's length), got {value}")
+    return int(value)
+
+
+def _prepare(op, q, k, v, *, bias, padding_mask, segment_ids, causal, scale, rate, key, deterministic, q_offset,
+             kv_offset, q_total, kv_total):
+    """Checks the arguments shared by the forward and the backward; returns
+    ``((q, k, v, bias_in, q_seg, kv_seg, seed), cfg)`` for `_flash` / `_backward`."""
     _checks.check_array(op, "q", q, dtypes=None, ndim=4)
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"{op}: q must have a floating dtype, got {q.dtype}")
@@ -341,7 +476,7 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
         scale = float(scale)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not np.isfinite(scale):
         raise TypeError(f"{op}: scale must be a finite Python float (static) or None, got {scale!r}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+    for name, flag in (("causal", causal),):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{op}: {name} must be a Python bool, got {type(flag).__name__}")
     deterministic = _checks.check_deterministic(op, deterministic)
@@ -369,17 +504,24 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
         q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
     rate = _checks.check_rate(op, rate, key, deterministic)
     threshold = 0 if deterministic else _random.dropout_threshold(rate)
+    q_total = _check_total(op, "q_total", q_total, lq)
+    kv_total = _check_total(op, "kv_total", kv_total, lk)
+    offsets = jnp.stack([_check_offset(op, "q_offset", q_offset, lq, q_total),
+                         _check_offset(op, "kv_offset", kv_offset, lk, kv_total)])
     if threshold:
-        seed = _random.seed_words(key)
+        # (k0, k1, shard offset, q_offset, kv_offset)
+        seed = jnp.concatenate([_random.seed_words(key), offsets])
         keep_scale = _random.keep_scale(rate)
     else:
-        seed = jnp.zeros((3,), jnp.uint32)
+        seed = jnp.zeros((5,), jnp.uint32)
         keep_scale = 1.0
     use_kernel = _use_kernel(op, q.dtype, d)
-    cfg = (float(scale), bool(causal), int(threshold), float(keep_scale), has_bias, has_seg, use_kernel)
+    cfg = (float(scale), bool(causal), int(threshold), float(keep_scale), has_bias, has_seg, q_total, kv_total,
+           use_kernel)
     q, k, v, bias_in = match_varying(q, k, v, bias_in)
-    out, lse = _flash(q, k, v, bias_in, q_seg, kv_seg, seed, cfg)
-    return (out, lse) if return_lse else out
+    return (q, k, v, bias_in, q_seg, kv_seg, seed), cfg
+
+
 
 
 def merge_attention(out1, lse1, out2, lse2):
