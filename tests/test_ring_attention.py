@@ -92,10 +92,9 @@ CONFIGS = [(impl, balance, causal) for impl in ra.IMPLS for balance in ra.BALANC
 
 @pytest.mark.parametrize("impl,balance,causal", CONFIGS)
 def test_outputs_and_gradients_equal_single_device(mesh, data, impl, balance, causal):
-    """With padding; rsa also with dropout (the single-device mask for the same key)."""
-    rate = RATE if impl == "rsa" else 0.0
-    want = _single_program(causal, rate)(*data[:4], data[5], data[4])
-    _close(_ring_result(mesh, impl, balance, causal, rate, data), want)
+    """With padding and dropout (the single-device mask for the same key)."""
+    want = _single_program(causal, RATE)(*data[:4], data[5], data[4])
+    _close(_ring_result(mesh, impl, balance, causal, RATE, data), want)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -109,17 +108,18 @@ def test_flash_ring_equals_jax_nn_dot_product_attention(mesh, data, causal):
     _close(_ring_result(mesh, "flash", "zigzag", causal, 0.0, data), want)
 
 
-def test_rsa_dropout_is_on_and_the_same_for_both_layouts(mesh, data):
+@pytest.mark.parametrize("impl", ra.IMPLS)
+def test_dropout_is_on_and_the_same_for_both_layouts(mesh, data, impl):
     """The dropout tests above would pass with dropout off if the single-device op ignored
     the rate too: the outputs must differ from rate 0's, and agree across layouts."""
-    zig = _ring_result(mesh, "rsa", "zigzag", True, RATE, data)
-    none = _ring_result(mesh, "rsa", "none", True, RATE, data)
+    zig = _ring_result(mesh, impl, "zigzag", True, RATE, data)
+    none = _ring_result(mesh, impl, "none", True, RATE, data)
     plain = _single_program(True, 0.0)(*data[:4], data[5], data[4])
     assert np.max(np.abs(np.asarray(zig[0]) - np.asarray(plain[0]))) > 0.1
     _close(zig, none)
 
 
-def test_flash_dropout_is_not_implemented_but_deterministic_runs(mesh, data):
+def test_flash_dropout_deterministic_is_plain_attention(mesh, data):
     q, k, v, pm, _, key = data
     put = lambda x: jax.device_put(x, NamedSharding(mesh, SPEC))
 
@@ -129,8 +129,6 @@ def test_flash_dropout_is_not_implemented_but_deterministic_runs(mesh, data):
         ring = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 3 + (P(),), out_specs=SPEC)
         return jax.jit(ring)(put(q), put(k), put(v), key)
 
-    with pytest.raises(NotImplementedError, match="ring_attention: dropout.*impl='flash'.*global positions"):
-        run()
     want = flash_attention(q, k, v)
     np.testing.assert_allclose(np.asarray(run(deterministic=True)), np.asarray(want), rtol=1e-5, atol=1e-5)
 

@@ -27,12 +27,15 @@ keys and values of its chunk of ``c = L / P`` positions. Two algorithms:
   ``ops.merge_attention``. The next block's ``ppermute`` is started before the current
   block's attention (they are independent, so the scheduler may overlap them). Backward
   (custom VJP): the blocks travel again with float32 ``dK``/``dV`` accumulators that
-  arrive at their owner after ``P`` steps; each block's gradient is the VJP of the block's
-  flash call with the cotangents of the merge (``dout_j = w_j dout``, ``dlse_j = w_j
-  (<dout, out_j> - <dout, out>)``, ``w_j = exp(lse_j - lse)``), which recomputes that
-  block's forward (one extra block forward per block). Kept for the backward: q, k, v,
-  out, lse and the padding mask, all O(chunk); nothing of size chunk x L is ever held
-  (the CPU reference of the flash op holds one (batch, heads, c, c) block at a time).
+  arrive at their owner after ``P`` steps; each block's gradient is one
+  ``ops.flash_attention_bwd`` call given the merged ``out`` and ``lse`` (the
+  probabilities ``exp(s - lse)`` of the whole row restricted to the block), so no block
+  forward is recomputed. Kept for the backward: q, k, v, out, lse and the padding mask,
+  all O(chunk); nothing of size chunk x L is ever held (the CPU reference of the flash op
+  holds one (batch, heads, c, c) block at a time). Dropout: each call numbers its mask by
+  the global positions of its queries and keys (``q_offset``/``kv_offset`` of the flash
+  op), so under zigzag, with dropout on, calls cover one piece of queries and one of keys
+  (quarter blocks) rather than whole chunks.
 
 Layout (``balance``):
 
@@ -49,10 +52,10 @@ Layout (``balance``):
   `zigzag_order`), and back with `zigzag_unpermute`. The layout does not depend on
   ``causal``: non-causal attention runs on it too (every block is full).
 
-Dropout (``impl="rsa"``): the mask is the single-device mask of ``ops.flash_attention``
+Dropout (both impls): the mask is the single-device mask of ``ops.flash_attention``
 for the same key: element ``(b, h, i, j)`` (global query and key positions) has the
-counter ``((b * heads + h) * L + i) * L + j`` of the generator in `jax_ls2._random`,
-whatever ``P`` and the layout. ``b`` is the index in this device's batch: where a data
+64-bit counter ``((b * heads + h) * L + i) * L + j`` of the generator in
+`jax_ls2._random`, whatever ``P`` and the layout. ``b`` is the index in this device's batch: where a data
 axis also splits the batch, fold that axis' index into the key. The key must be the
 same on every device of the ring.
 """
@@ -69,7 +72,7 @@ import numpy as np
 from jax_ls2 import _random
 from jax_ls2._dispatch import match_varying
 from jax_ls2.ops import _checks
-from jax_ls2.ops.flash_attention import flash_attention, merge_attention
+from jax_ls2.ops.flash_attention import attention_keep_mask, flash_attention, flash_attention_bwd, merge_attention
 from jax_ls2.parallel.tensor import bound_axis_size
 
 _OP = "ring_attention"
@@ -136,6 +139,7 @@ class _Cfg(NamedTuple):
     threshold: int   # dropout's 16-bit threshold, 0: no dropout
     keep_scale: float
     has_mask: bool
+    rate: float      # the dropout rate (0.0 when off)
 
 
 def _shift(cfg: _Cfg, tree):
@@ -190,10 +194,28 @@ class _Block(NamedTuple):
     live: object
 
 
+def _global(cfg: _Cfg, device, local):
+    """The global position of local index ``local`` of device ``device``'s chunk, for a
+    ``local`` that starts a run of `_pieces` or lies inside one."""
+    c = cfg.chunk
+    if not cfg.zigzag:
+        return device * c + local
+    h = c // 2
+    return jnp.where(local < h, device * h + local, (2 * cfg.ring - 1 - device) * h + local - h)
+
+
 def _blocks(cfg: _Cfg, step: int, rank):
     """The attention calls of ``step`` on device ``rank`` (holding the block of device
-    ``rank - step``): the unmasked parts of that (query chunk, key chunk) pair."""
+    ``rank - step``): the unmasked parts of that (query chunk, key chunk) pair. Under
+    zigzag with dropout every call covers one piece of queries and one of keys, whose
+    global positions are contiguous (the dropout numbering needs that)."""
     c = cfg.chunk
+    if cfg.zigzag and cfg.threshold and (step == 0 or not cfg.causal):
+        h = c // 2
+        if not cfg.causal:
+            return [_Block(qo, h, ko, h, False, None) for qo in (0, h) for ko in (0, h)]
+        # The own chunk: piece a before piece b, so b sees a whole and a never sees b.
+        return [_Block(0, h, 0, h, True, None), _Block(h, h, 0, h, False, None), _Block(h, h, h, h, True, None)]
     if step == 0 or not cfg.causal:
         # Step 0 is the device's own chunk: causal within it, also under zigzag (its
         # first piece precedes its second).
@@ -209,20 +231,25 @@ def _blocks(cfg: _Cfg, step: int, rank):
     return [_Block(h, h, 0, h, False, None), _Block(off, h, off, h, False, None)]
 
 
-def _block_call(cfg: _Cfg, blk: _Block, q, kv):
+def _block_call(cfg: _Cfg, blk: _Block, q, kv, key, rank, src):
+    """(the flash op's keyword arguments for the block, (q, k, v) rows of the block)."""
     k, v = kv[0], kv[1]
     mask = _rows(kv[2], blk.kv_off, blk.m, 1) if cfg.has_mask else None
     qs = _rows(q, blk.q_off, blk.n, 1)
     ks, vs = _rows(k, blk.kv_off, blk.m, 1), _rows(v, blk.kv_off, blk.m, 1)
-    fn = functools.partial(flash_attention, padding_mask=mask, causal=blk.causal, scale=cfg.scale, return_lse=True)
-    return fn, (qs, ks, vs)
+    kw = dict(padding_mask=mask, causal=blk.causal, scale=cfg.scale)
+    if cfg.threshold:
+        length = cfg.ring * cfg.chunk
+        kw.update(rate=cfg.rate, key=key, q_offset=_global(cfg, rank, blk.q_off),
+                  kv_offset=_global(cfg, src, blk.kv_off), q_total=length, kv_total=length)
+    return kw, (qs, ks, vs)
 
 
 def _when(live, fn, acc):
     return fn(acc) if live is None else jax.lax.cond(live, fn, lambda a: a, acc)
 
 
-def _flash_forward(cfg: _Cfg, q, k, v, mask):
+def _flash_forward(cfg: _Cfg, q, k, v, mask, key):
     """(out in q's dtype, lse (batch, heads, c) float32)."""
     rank = jax.lax.axis_index(cfg.axis_name)
     ct = _compute_dtype(q.dtype)
@@ -231,10 +258,11 @@ def _flash_forward(cfg: _Cfg, q, k, v, mask):
     kv = (k, v, mask) if cfg.has_mask else (k, v)
     for step in range(cfg.ring):
         received = _shift(cfg, kv) if step + 1 < cfg.ring else None
+        src = (rank - step) % cfg.ring
         for blk in _blocks(cfg, step, rank):
             def merge(acc, blk=blk):
-                fn, args = _block_call(cfg, blk, q, kv)
-                o, lse = fn(*args)
+                kw, args = _block_call(cfg, blk, q, kv, key, rank, src)
+                o, lse = flash_attention(*args, return_lse=True, **kw)
                 cur_o, cur_l = _rows(acc[0], blk.q_off, blk.n, 1), _rows(acc[1], blk.q_off, blk.n, 2)
                 o, lse = merge_attention(cur_o, cur_l, o, lse)
                 return _put(acc[0], o, blk.q_off, 1), _put(acc[1], lse, blk.q_off, 2)
@@ -243,28 +271,22 @@ def _flash_forward(cfg: _Cfg, q, k, v, mask):
     return acc[0].astype(q.dtype), acc[1].astype(jnp.float32)
 
 
-def _flash_backward(cfg: _Cfg, q, k, v, mask, out, lse, dout):
+def _flash_backward(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
     rank = jax.lax.axis_index(cfg.axis_name)
     ct = _compute_dtype(q.dtype)
     grads = (jnp.zeros_like(q, ct), jnp.zeros_like(k, ct), jnp.zeros_like(v, ct))
     kv = (k, v, mask) if cfg.has_mask else (k, v)
     for step in range(cfg.ring):
         received = _shift(cfg, kv) if step + 1 < cfg.ring else None
+        src = (rank - step) % cfg.ring
         for blk in _blocks(cfg, step, rank):
             def add(grads, blk=blk):
-                fn, args = _block_call(cfg, blk, q, kv)
-                (o_j, lse_j), vjp = jax.vjp(fn, *args)
-                lse_rows = _rows(lse, blk.q_off, blk.n, 2).astype(ct)
-                do = _rows(dout, blk.q_off, blk.n, 1).astype(ct)
-                o = _rows(out, blk.q_off, blk.n, 1).astype(ct)
-                # The merge's cotangents for this block: w = exp(lse_j - lse) its weight.
-                w = jnp.where(jnp.isneginf(lse_j), 0.0,
-                              jnp.exp(lse_j.astype(ct) - jnp.where(jnp.isneginf(lse_rows), 0.0, lse_rows)))
-                dot = jnp.einsum("bqhd,bqhd->bhq", do, o_j.astype(ct) - o, precision=_HI)
-                dout_j = jnp.swapaxes(w, 1, 2)[..., None] * do
-                dq, dk, dv = vjp((dout_j.astype(o_j.dtype), (w * dot).astype(lse_j.dtype)))
+                kw, args = _block_call(cfg, blk, q, kv, key, rank, src)
+                rows = lambda x, axis=1: _rows(x, blk.q_off, blk.n, axis)
+                # The block's share of the gradients, from the merged out and lse.
+                parts = flash_attention_bwd(rows(dout), *args, rows(out), rows(lse, 2), **kw)
                 new = []
-                for acc, part, off, n in zip(grads, (dq, dk, dv), (blk.q_off, blk.kv_off, blk.kv_off),
+                for acc, part, off, n in zip(grads, parts, (blk.q_off, blk.kv_off, blk.kv_off),
                                              (blk.n, blk.m, blk.m)):
                     new.append(_put(acc, _rows(acc, off, n, 1) + part.astype(ct), off, 1))
                 return tuple(new)
@@ -276,13 +298,13 @@ def _flash_backward(cfg: _Cfg, q, k, v, mask, out, lse, dout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_ring(cfg, q, k, v, mask):
-    return _flash_forward(cfg, q, k, v, mask)[0]
+def _flash_ring(cfg, q, k, v, mask, key):
+    return _flash_forward(cfg, q, k, v, mask, key)[0]
 
 
-def _flash_ring_fwd(cfg, q, k, v, mask):
-    out, lse = _flash_forward(cfg, q, k, v, mask)
-    return out, (q, k, v, mask, out, lse)
+def _flash_ring_fwd(cfg, q, k, v, mask, key):
+    out, lse = _flash_forward(cfg, q, k, v, mask, key)
+    return out, (q, k, v, mask, key, out, lse)
 
 
 def _fresh(tree):
@@ -293,7 +315,7 @@ def _fresh(tree):
 
 
 def _flash_ring_bwd(cfg, res, dout):
-    return (*_flash_backward(cfg, *_fresh(res), dout), None)
+    return (*_flash_backward(cfg, *_fresh(res), dout), None, None)
 
 
 _flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd, optimize_remat=True)
@@ -315,13 +337,11 @@ def _put_cols(cfg: _Cfg, x, part, device):
 def _keep(cfg: _Cfg, seed, rank, batch: int, heads: int):
     """bool (batch, heads, c, L): the single-device dropout mask's rows of this device."""
     length = cfg.ring * cfg.chunk
-    bh = jnp.arange(batch * heads, dtype=jnp.uint32)
     rows = []
     for off, _, n in _pieces(cfg, rank):
-        # Counter of element (bh, off, 0): ((b * heads + h) * L + off) * L, uint32 like the generator.
-        first = (bh * np.uint32(length) + jnp.asarray(off).astype(jnp.uint32)) * np.uint32(length)
-        draw = jax.vmap(lambda f: _random.keep_mask(seed.at[2].add(f), (n, length), cfg.threshold))
-        rows.append(draw(first).reshape(batch, heads, n, length))
+        # The rows [off, off + n) of the (L x L) attention's mask.
+        block_seed = jnp.concatenate([seed, jnp.stack([jnp.asarray(off).astype(jnp.uint32), jnp.uint32(0)])])
+        rows.append(attention_keep_mask(block_seed, (batch, n, heads, 1), length, cfg.threshold, length, length))
     return jnp.concatenate(rows, axis=2)
 
 
@@ -452,8 +472,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
       causal: position ``i`` attends positions ``j <= i`` (global positions).
       padding_mask: optional bool ``(batch, c)``, True = a real key; this device's chunk
         of the ``(batch, L)`` mask, split like ``k``.
-      rate, key, deterministic: dropout on the attention probabilities, ``impl="rsa"``
-        only (see the module docstring for the mask, equal to single-device attention's).
+      rate, key, deterministic: dropout on the attention probabilities (see the module
+        docstring for the mask, equal to single-device attention's).
       impl: ``"flash"`` or ``"rsa"``.
       balance: ``"zigzag"`` (inputs in the zigzag layout, see `zigzag_permute`; ``c``
         even) or ``"none"`` (contiguous chunks).
@@ -469,7 +489,6 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
         here (outside ``shard_map``, or not one of the mesh's axes); an odd chunk under
         ``balance="zigzag"``; shapes that do not fit.
       TypeError: arrays of the wrong kind or dtype, non-bool flags.
-      NotImplementedError: dropout with ``impl="flash"``.
     """
     op = _OP
     if impl not in IMPLS:
@@ -517,15 +536,11 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
     deterministic = _checks.check_deterministic(op, deterministic)
     rate = _checks.check_rate(op, rate, key, deterministic)
     threshold = 0 if deterministic else _random.dropout_threshold(rate)
-    if threshold and impl == "flash":
-        raise NotImplementedError(
-            f"{op}: dropout (rate={rate}) with impl='flash' needs ops.flash_attention to number its mask by "
-            f"global positions (query and key offsets and the full lengths), which it cannot take yet; use "
-            f"impl='rsa' or rate=0")
     cfg = _Cfg(axis_name, int(ring), int(c), bool(causal), zigzag, float(scale), int(threshold),
-               _random.keep_scale(rate) if threshold else 1.0, padding_mask is not None)
+               _random.keep_scale(rate) if threshold else 1.0, padding_mask is not None,
+               float(rate) if threshold else 0.0)
     q, k, v = match_varying(q, k, v)
     if impl == "flash":
-        return _flash_ring(cfg, q, k, v, padding_mask)
+        return _flash_ring(cfg, q, k, v, padding_mask, key if threshold else None)
     seed = _random.seed_words(key) if threshold else jnp.zeros((3,), jnp.uint32)
     return _rsa_ring(cfg, q, k, v, padding_mask, seed)
