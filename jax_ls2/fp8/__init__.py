@@ -44,8 +44,14 @@ per optimizer step; with ``optax.MultiSteps``, inside the jitted micro-step::
 
 with ``pending = fp8.meta_updates_like(meta)`` to start.
 
+Fused: `layernorm_fp8_dot` (``LayerNorm(x) @ w``) and `fp8_mlp` (``act(h @ w1 + b1) @ w2``,
+optionally after a LayerNorm) take the same metas and recipe, with every activation
+quantized once by the kernel that produces it (`jax_ls2.fp8.fused`).
+
 Layers: ``fp8=DelayedScaling(...)`` on `jax_ls2.nn`'s Transformer layers and stacks
-puts every weight GEMM through `fp8_dot`, one `FP8DotMeta` per GEMM.
+puts every weight GEMM through FP8, one `FP8DotMeta` per GEMM (q|k|v is one GEMM):
+pre-LN LayerNorms fused into the q|k|v and fc1 GEMMs, the FFN as one `fp8_mlp` where
+no activation dropout is active, `fp8_dot` elsewhere.
 
 Rules that follow: one meta per GEMM call site (a meta used by two calls in one
 differentiated function gets the sum of their observations from autodiff, which
@@ -54,6 +60,7 @@ whole mapped batch; under ``shard_map`` pass the mesh axes as ``amax_axes`` so t
 amaxes are max-reduced (``recipe.reduce_amax``) and every replica keeps identical scales.
 """
 from jax_ls2.fp8.dot import fp8_dot
+from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OUTPUT, INPUT, WEIGHT,
                                 DelayedScaling, fp8_max)
 from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, is_meta, join_meta, merge_meta_updates,
@@ -62,5 +69,5 @@ from jax_ls2.fp8.step import accumulate_meta_updates, apply_meta_updates, count_
 
 __all__ = ["accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
            "AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
-           "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "is_meta", "join_meta", "merge_meta_updates", "split_meta",
+           "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "fp8_mlp", "layernorm_fp8_dot", "is_meta", "join_meta", "merge_meta_updates", "split_meta",
            "update_dot_meta", "update_meta"]

@@ -209,7 +209,7 @@ class MultiHeadAttention(nnx.Module):
         return explicit_gemm_path(self.attention_backend, dropout_active=dropout_active and self.attn_dropout > 0,
                                   q_len=q_len, k_len=k_len, head_dim=self.head_dim, dtype=dtype)
 
-    def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, key=None,
+    def context(self, x, memory=None, *, padding_mask=None, causal=False, kv=None, qkv=None, key=None,
                 deterministic=True, seq_first: bool = False):
         """Attention output before the ``out`` projection: (batch, q_len, hidden).
 
@@ -221,6 +221,9 @@ class MultiHeadAttention(nnx.Module):
         ``LayerNorm(..., copies=3)``, whose backward then sums their gradients).
         memory: (batch, k_len, hidden) for cross-attention, or kv: its precomputed
         ``memory @ kv.kernel + kv.bias`` (batch, k_len, 2*hidden).
+        qkv: self-attention only, the precomputed ``x @ qkv.kernel + qkv.bias`` (batch,
+        q_len, 3*hidden) (say from `jax_ls2.fp8.fused.layernorm_fp8_dot`); x then only
+        gives the shapes.
         """
         xs = tuple(x) if isinstance(x, (tuple, list)) else None
         if xs is not None:
@@ -235,7 +238,13 @@ class MultiHeadAttention(nnx.Module):
                                  f"{[tuple(xi.shape) for xi in xs]}")
             x = xs[0]
         check_hidden("MultiHeadAttention", x, self.hidden_size)
-        if self.self_attention:
+        if qkv is not None:
+            if not self.self_attention or qkv.shape != (*x.shape[:-1], 3 * self.hidden_size):
+                raise ValueError(f"MultiHeadAttention: qkv must be self-attention's projection of shape "
+                                 f"{(*x.shape[:-1], 3 * self.hidden_size)}, got {tuple(qkv.shape)}"
+                                 + ("" if self.self_attention else " for cross-attention"))
+            q, k, v = self._parts(qkv, 3)
+        elif self.self_attention:
             q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:
             if self.fp8 is None:

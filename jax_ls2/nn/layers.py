@@ -15,9 +15,10 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
+from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, resolve_deterministic,
-                                rng_stream)
+from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
+                                resolve_deterministic, rng_stream)
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
@@ -129,8 +130,12 @@ class _Block(nnx.Module):
         key = draw_key(self._owner, self.rngs, rngs)
         return det, [jax.random.fold_in(key, i) for i in range(n)]
 
-    def _residual(self, sub, x, ln, det, key, *, uses: int = 1, next_uses: int = 1, seq_first: bool = False):
+    def _residual(self, sub, x, ln, det, key, *, uses: int = 1, next_uses: int = 1, seq_first: bool = False,
+                  fused=None):
         """Pre-LN: x + drop(sub(LN(x))); post-LN: LN(x + drop(sub(x))). sub returns (y, bias).
+
+        Pre-LN with ``fused`` (FP8: the LayerNorm fused into the sub-block's first GEMM),
+        ``fused(x)`` computes LN and sub together and returns (y, bias, x for the residual).
 
         Each consumer of a LayerNorm output gets its own copy (``copies`` of the op), so
         the backward kernel sums their gradients instead of a separate pass: pre-LN, `sub`
@@ -140,12 +145,15 @@ class _Block(nnx.Module):
         projections and the residual), and with ``next_uses=k`` this one returns k copies
         for the next.
         """
-        if self.pre_layer_norm:
-            *hs, x_res = ln(x, return_input=True, copies=uses)
+        if self.pre_layer_norm and fused is not None:
+            y, b, x_res = fused(x)
         else:
-            *hs, x_res = x if isinstance(x, tuple) else (x, x)
-        h = tuple(hs) if len(hs) > 1 else hs[0]
-        y, b = sub(h)
+            if self.pre_layer_norm:
+                *hs, x_res = ln(x, return_input=True, copies=uses)
+            else:
+                *hs, x_res = x if isinstance(x, tuple) else (x, x)
+            h = tuple(hs) if len(hs) > 1 else hs[0]
+            y, b = sub(h)
         out = ops.bias_dropout_residual(y, b, x_res.astype(y.dtype), rate=self.hidden_dropout,
                                         key=key, deterministic=det, seq_first=seq_first)
         return out if self.pre_layer_norm else ln(out, copies=next_uses)
@@ -172,7 +180,58 @@ class _Block(nnx.Module):
         check_hidden(o, x, self.hidden_size)
         return x
 
+    def _fp8_fusable_ffn(self, det) -> bool:
+        """Whether the FFN runs as one `fp8_mlp` (FP8, no active activation dropout)."""
+        return self.config.fp8 is not None and (det or self.activation_dropout == 0.0)
+
+    def _fp8_mlp(self, h, ln=None):
+        """The FFN as `jax_ls2.fp8.fused.fp8_mlp` (with the pre-LN LayerNorm ``ln``):
+        (y, fc2 bias, x for the residual or None)."""
+        c = self.config
+        w1, b1, w2, b2 = (a[...] for a in (self.fc1.kernel, self.fc1.bias, self.fc2.kernel, self.fc2.bias))
+        kw = dict(activation=self.activation, dtype=promoted_dtype(self.dtype, h, w1), amax_axes=c.fp8_amax_axes)
+        if ln is None:
+            y, x_res = fp8_mlp(h, w1, b1, w2, self.fc1_fp8, self.fc2_fp8, c.fp8, **kw), None
+        else:
+            h, params = self._ln_input(ln, h)
+            y, x_res = fp8_mlp(h, w1, b1, w2, self.fc1_fp8, self.fc2_fp8, c.fp8, ln=params, epsilon=ln.epsilon,
+                               return_input=True, **kw)
+        return y, b2.astype(promoted_dtype(self.dtype, y, w2, b2)), x_res
+
+    @staticmethod
+    def _ln_input(ln, x):
+        """x in the LayerNorm module's compute dtype, and its (scale, bias)."""
+        dtype = ln.dtype or dtypes.promote_dtype((x, ln.scale[...]), dtype=None)[0].dtype
+        return x.astype(dtype), (ln.scale[...], ln.bias[...])
+
+    def _ffn_fused(self, det):
+        """Pre-LN FP8 FFN: LayerNorm, fc1, activation and fc2 as one op (see `_residual`)."""
+        if not (self.pre_layer_norm and self._fp8_fusable_ffn(det)):
+            return None
+        return lambda x: self._fp8_mlp(x, ln=self.ffn_ln)
+
+    def _attn_fused(self, mha, det, key, **kw):
+        """Pre-LN FP8 self-attention: the LayerNorm writes FP8 for the q|k|v GEMM (one op),
+        then attention and the output GEMM (see `_residual`)."""
+        c = self.config
+        if c.fp8 is None or not self.pre_layer_norm:
+            return None
+
+        def fused(x):
+            h, (gamma, beta) = self._ln_input(self.attn_ln, x)
+            kernel, bias = mha.qkv.kernel[...], mha.qkv.bias[...]
+            y, x_res = layernorm_fp8_dot(h, gamma, beta, kernel, mha.qkv_fp8, c.fp8, epsilon=self.attn_ln.epsilon,
+                                         dtype=promoted_dtype(self.dtype, h, kernel), amax_axes=c.fp8_amax_axes,
+                                         return_input=True)
+            qkv = y + bias.astype(promoted_dtype(self.dtype, h, kernel, bias))
+            ctx = mha.context(h, qkv=qkv, key=key, deterministic=det, **kw)
+            out, b = matmul(ctx, mha.out, self.dtype, mha._fp8_gemm("out"))
+            return out, b, x_res
+        return fused
+
     def _ffn(self, h, det, key, seq_first):
+        if self._fp8_fusable_ffn(det):
+            return self._fp8_mlp(h)[:2]
         y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
         y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
                                  key=key, deterministic=det, seq_first=seq_first)
@@ -232,11 +291,12 @@ class TransformerEncoderLayer(_Block):
                  seq_first: bool = False):
         x = self._check_copies(x, output_copies)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
-        x = self._residual(self._attn_sub(self.attn, det, k_attn, padding_mask=padding_mask,
-                                          causal=causal, seq_first=seq_first), x, self.attn_ln, det, k_r1,
-                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first)
+        attn_kw = dict(padding_mask=padding_mask, causal=causal, seq_first=seq_first)
+        x = self._residual(self._attn_sub(self.attn, det, k_attn, **attn_kw), x, self.attn_ln, det, k_r1,
+                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first,
+                           fused=self._attn_fused(self.attn, det, k_attn, **attn_kw))
         return self._residual(lambda h: self._ffn(h, det, k_act, seq_first), x, self.ffn_ln, det, k_r2,
-                              next_uses=output_copies, seq_first=seq_first)
+                              next_uses=output_copies, seq_first=seq_first, fused=self._ffn_fused(det))
 
 
 class TransformerDecoderLayer(_Block):
@@ -262,15 +322,16 @@ class TransformerDecoderLayer(_Block):
                  output_copies: int = 1, seq_first: bool = False):
         x = self._check_copies(x, output_copies)
         det, keys = self._keys(deterministic, rngs, 6)
-        x = self._residual(self._attn_sub(self.attn, det, keys[0], padding_mask=padding_mask,
-                                          causal=True, seq_first=seq_first), x, self.attn_ln, det, keys[1],
-                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first)
+        attn_kw = dict(padding_mask=padding_mask, causal=True, seq_first=seq_first)
+        x = self._residual(self._attn_sub(self.attn, det, keys[0], **attn_kw), x, self.attn_ln, det, keys[1],
+                           uses=self._qkv_uses, next_uses=2, seq_first=seq_first,
+                           fused=self._attn_fused(self.attn, det, keys[0], **attn_kw))
         x = self._residual(self._attn_sub(self.cross_attn, det, keys[2], memory=memory,
                                           kv=cross_kv, padding_mask=memory_padding_mask,
                                           seq_first=seq_first),
                            x, self.cross_ln, det, keys[3], next_uses=2, seq_first=seq_first)
         return self._residual(lambda h: self._ffn(h, det, keys[4], seq_first), x, self.ffn_ln, det, keys[5],
-                              next_uses=output_copies, seq_first=seq_first)
+                              next_uses=output_copies, seq_first=seq_first, fused=self._ffn_fused(det))
 
 
 # Transformer Engine's names of LayerConfig fields, accepted by `TransformerLayer`.

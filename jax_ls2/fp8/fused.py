@@ -1,0 +1,304 @@
+"""FP8 GEMMs fed by fused casts: each activation is quantized once, by the kernel that
+produces it, and each backward pass quantizes its gradients with the transposed copy
+the weight-gradient GEMM reads.
+
+* `layernorm_fp8_dot`: ``LayerNorm(x) @ w``, the LayerNorm writing FP8 and its amax in
+  one pass (`jax_ls2.ops.layer_norm_fp8`); pre-LN attention's fused q|k|v projection.
+* `fp8_mlp`: ``gelu(h @ w1 + b1) @ w2`` with ``h`` either ``LayerNorm(x)`` (pre-LN, as
+  above) or ``x`` cast with its transpose (`jax_ls2.ops.cast_transpose`); the bias and
+  GELU write FP8 (`jax_ls2.ops.bias_gelu_fp8`), and the backward runs dGELU, the cast,
+  its transpose and dbias as one pass (`jax_ls2.ops.dgelu_cast_transpose_dbias`).
+
+Each is one ``custom_vjp`` with the meta semantics of `jax_ls2.fp8.fp8_dot`: one meta
+per GEMM, whose "gradient" is the meta update carrying this step's amaxes (input,
+weight, output gradient), one observation over a ``vmap``ped batch for a shared meta,
+max-reduced over ``amax_axes`` inside ``shard_map``. Every GEMM is `dot._scaled_dot`'s
+form (one cuBLASLt FP8 call writing the final dtype). Operands the GEMMs read
+K-major on Hopper are handed over that way where a fused kernel wrote them (the output
+gradients' transposed copies); the FP8 weights and the LayerNorm / GELU outputs are
+transposed by XLA for the weight gradient (one-byte copies).
+"""
+from __future__ import annotations
+
+import importlib
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from jax_ls2._dispatch import _varying_axes, match_varying
+from jax_ls2.fp8.dot import _first_order_only, _prepare, _quantize, _reduced_amax, _rows, _scaled_dot
+from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
+from jax_ls2.fp8.state import DotMeta
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+
+def _ops():
+    # Imported when first used: jax_ls2.ops' FP8 casts import jax_ls2.fp8.
+    from jax_ls2 import ops
+    # The module, not the function jax_ls2.ops re-exports under the same name.
+    return ops, importlib.import_module("jax_ls2.ops.layer_norm")
+
+
+@custom_vmap
+def _shared_amax(amax, like_scale):
+    """An amax returned by a fused kernel, as one observation: ``like_scale`` (the meta's
+    scale) only tells the vmap rule whether the meta is mapped."""
+    del like_scale
+    return amax
+
+
+@_shared_amax.def_vmap
+def _shared_amax_vmap(axis_size, in_batched, amax, like_scale):
+    # The kernels run example by example under vmap (one amax each); a shared meta sees
+    # one amax over the whole mapped batch, as `fp8_dot`'s do.
+    amax_batched, meta_batched = in_batched
+    if amax_batched and not meta_batched:
+        return jnp.max(amax, axis=0), False
+    if meta_batched and not amax_batched:
+        return jnp.broadcast_to(amax, (axis_size,)), True
+    return amax, amax_batched
+
+
+def _observed(amax, like_scale, axes):
+    """A fused kernel's amax as the meta records it: shared over a vmapped batch for an
+    unmapped meta, max-reduced over the mesh axes ``axes`` (inside shard_map)."""
+    amax = _shared_amax(amax, jax.lax.stop_gradient(like_scale))
+    if not axes:
+        return amax
+    invariant = tuple(a for a in axes if a not in _varying_axes(amax))
+    if invariant:
+        amax = jax.lax.pcast(amax, invariant, to="varying")
+    return jax.lax.pmax(amax, axes)
+
+
+def _weight(w, dm, recipe, axes):
+    """(w as E4M3 with its delayed scale, its observed amax)."""
+    return _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype), _reduced_amax(w, dm.scale, axes)
+
+
+def _grad_cast(g, dm, recipe, axes):
+    """The output gradient g (..., N) as FP8 rows (M, N), its transpose (N, M) and amax,
+    one pass (`cast_transpose`)."""
+    ops, _ = _ops()
+    gq, gq_t, amax = ops.cast_transpose(g, dm.scale[GRAD_OUTPUT], fp8_dtype=recipe.backward_dtype)
+    return _rows(gq), gq_t, _observed(amax, dm.scale, axes)
+
+
+def _backward_gemms(gq, gq_t, hq, hq_t, wq, dm, h_dtype, w_dtype):
+    """dgrad (M, N) x (K, N) -> (M, K) and wgrad (K, N) of one GEMM ``h @ w``.
+
+    The wgrad reads the transposed copies: hq_t (K, M) when a kernel wrote it (else hq
+    (M, K), which XLA transposes), and gq_t (N, M); both K-major, as Hopper's FP8
+    GEMMs take them.
+    """
+    dh = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], h_dtype)
+    s = dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT]
+    if hq_t is not None:
+        dw = _scaled_dot(hq_t, gq_t, ((1,), (1,)), s, w_dtype)
+    else:
+        dw = _scaled_dot(hq, gq_t, ((0,), (1,)), s, w_dtype)
+    return dh, dw
+
+
+def _check_ln(op, x, gamma, beta, epsilon):
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if not hasattr(p, "shape") or tuple(p.shape) != (x.shape[-1],):
+            raise ValueError(f"{op}: {name} must have shape ({x.shape[-1]},), got "
+                             f"{tuple(getattr(p, 'shape', ()))}")
+    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
+
+
+def _ln_backward(dh, dx_other, x, gamma, mean, rstd):
+    """LayerNorm backward with the gradient of x's other use (the residual branch)
+    added in the same kernel."""
+    _, ln_mod = _ops()
+    gamma_x = gamma.astype(x.dtype)
+    if dx_other is None:
+        dx, dg, db = ln_mod._multi_bwd_kernel(1)(x, gamma_x, mean, rstd, dh.astype(x.dtype), has_dsum=False)
+    else:
+        dx, dg, db = ln_mod._multi_bwd_kernel(2)(x, gamma_x, mean, rstd, dh.astype(x.dtype),
+                                                 dx_other.astype(x.dtype), has_dsum=True)
+    return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
+
+
+# ---------------------------------------------------------------- LayerNorm -> GEMM
+def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilon: float = 1e-5, dtype=None,
+                      amax_axes=(), return_input: bool = False):
+    """``LayerNorm(x) @ w`` with the LayerNorm writing FP8 straight away.
+
+    Args:
+      x: (..., K) float32/bfloat16/float16, rank >= 2; the LayerNorm runs in x's dtype
+        (statistics float32).
+      gamma, beta: (K,) floating.
+      w: (K, N) float32/bfloat16/float16.
+      meta, recipe, dtype, amax_axes: as for `jax_ls2.fp8.fp8_dot`; the meta's INPUT row
+        is the LayerNorm output's.
+      epsilon: the LayerNorm's.
+      return_input: also return x, for a residual branch whose gradient the LayerNorm's
+        backward kernel then adds (as `jax_ls2.ops.layer_norm`'s ``return_input``).
+
+    Returns:
+      y: (..., N) in ``dtype`` (and x with ``return_input``).
+
+    Forward: one LayerNorm kernel writes the E4M3 output and its amax; one FP8 GEMM.
+    Kept for the backward: x, gamma, the float32 mean and rstd, the FP8 LayerNorm output
+    and weight. Backward: the output gradient cast with its transpose in one pass, the
+    dgrad and wgrad GEMMs, the LayerNorm backward (plus the residual gradient).
+    """
+    op = "layernorm_fp8_dot"
+    x, w, dm, dtype, axes = _prepare(op, x, w, meta, recipe, dtype, amax_axes)
+    _check_ln(op, x, gamma, beta, epsilon)
+    x, gamma, beta, w = match_varying(x, gamma, beta, w)
+    out = _ln_dot(recipe, dtype, axes, float(epsilon), jnp.dtype(w.dtype), bool(return_input), x, gamma, beta, w, dm)
+    return out if return_input else out[0]
+
+
+# ``keep``: x is also returned (for the residual branch); static, so that without it no
+# zero cotangent of x reaches the LayerNorm backward kernel.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm):
+    return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm)[0]
+
+
+def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
+    ops, _ = _ops()
+    hq, amax_h, mean, rstd = ops.layer_norm_fp8(x, gamma, beta, dm.scale[INPUT], fp8_dtype=recipe.forward_dtype,
+                                                epsilon=eps)
+    return hq, _observed(amax_h, dm.scale, axes), mean, rstd
+
+
+def _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm):
+    x, gamma, beta, w, dm = _first_order_only((x, gamma, beta, w, dm))
+    hq, amax_h, mean, rstd = _ln_fp8(x, gamma, beta, dm, recipe, axes, eps)
+    wq, amax_w = _weight(w, dm, recipe, axes)
+    y = _scaled_dot(_rows(hq), wq, ((1,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
+    y = y.reshape(*x.shape[:-1], w.shape[1])
+    return (y, x) if keep else (y,), (x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w)
+
+
+def _ln_dot_bwd(recipe, dtype, axes, eps, w_dtype, keep, res, cts):
+    cts, res = _first_order_only((cts, res))
+    x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w = res
+    dy, dx_other = cts if keep else (cts[0], None)
+    gq, gq_t, amax_g = _grad_cast(dy, dm, recipe, axes)
+    dh, dw = _backward_gemms(gq, gq_t, _rows(hq), None, wq, dm, x.dtype, w_dtype)
+    dx, dgamma, dbeta = _ln_backward(dh.reshape(x.shape), dx_other, x, gamma, mean, rstd)
+    d_meta = DotMeta.observation(jnp.stack([amax_h, amax_w, amax_g], axis=-1), dm)
+    return dx, dgamma, dbeta, dw, d_meta
+
+
+_ln_dot.defvjp(_ln_dot_fwd, _ln_dot_bwd, optimize_remat=True)
+
+
+# ---------------------------------------------------------------- the MLP
+def fp8_mlp(x, w1, b1, w2, meta1, meta2, recipe: DelayedScaling, *, activation: str = "gelu", ln=None,
+            epsilon: float = 1e-5, dtype=None, amax_axes=(), return_input: bool = False):
+    """``act(h @ w1 + b1) @ w2`` with FP8 GEMMs fed by fused casts; ``h = LayerNorm(x)``
+    with ``ln=(gamma, beta)``, else ``h = x``. fc2's bias is left to the caller (for a
+    fused bias + dropout + residual).
+
+    Args:
+      x: (..., H) float32/bfloat16/float16, rank >= 2.
+      w1: (H, F), b1: (F,), w2: (F, N) floating.
+      meta1, meta2: the metas of the fc1 and fc2 GEMMs (`jax_ls2.fp8.fp8_dot`'s
+        ``meta``): fc1's INPUT row is h's, its GRAD_OUTPUT row the gradient of
+        ``h @ w1 + b1``; fc2's INPUT row is the activation's output.
+      recipe, dtype, amax_axes: as for `jax_ls2.fp8.fp8_dot` (``dtype``: of both GEMMs'
+        results and the activation).
+      activation: "gelu" (erf), "gelu_tanh" or "relu", as `jax_ls2.ops.bias_act_dropout`.
+      ln: None or ``(gamma, beta)``, each (H,); epsilon: the LayerNorm's.
+      return_input: with ``ln``, also return x (see `layernorm_fp8_dot`).
+
+    Returns:
+      (..., N) in ``dtype`` (and x with ``return_input``).
+
+    Forward: h to E4M3 (the LayerNorm kernel, or one cast + transpose pass), fc1 with
+    b1 added after the scaling (a bias XLA can fold into the cuBLASLt call), one kernel
+    for act(.) to E4M3 with its amax, fc2. Kept for the backward: the fc1 result with
+    its bias (the activation's input), the FP8 copies of h (and its transpose without
+    ln), of the activation and of the weights, the LayerNorm's x, gamma, mean, rstd.
+    Backward: fc2's output gradient cast with its transpose in one pass; fc2's dgrad;
+    dact + cast + transpose + dbias in one pass; fc1's dgrad and both wgrads; the
+    LayerNorm backward.
+    """
+    op = "fp8_mlp"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    x, w1, dm1, dtype, axes = _prepare(op, x, w1, meta1, recipe, dtype, amax_axes, w_name="w1")
+    if not hasattr(w2, "shape") or w2.ndim != 2 or w2.shape[0] != w1.shape[1]:
+        raise ValueError(f"{op}: w2 must have shape ({w1.shape[1]}, N) (w1's N rows), got "
+                         f"{tuple(getattr(w2, 'shape', ()))}")
+    if not hasattr(b1, "shape") or tuple(b1.shape) != (w1.shape[1],):
+        raise ValueError(f"{op}: b1 must have shape ({w1.shape[1]},), got {tuple(getattr(b1, 'shape', ()))}")
+    # fc2's weight and meta pass the same checks (its input, act(.), has w2's K columns).
+    _, w2, dm2, _, _ = _prepare(op, jnp.zeros((1, w2.shape[0]), x.dtype), w2, meta2, recipe, dtype, amax_axes,
+                                w_name="w2")
+    x, w1, b1, w2 = match_varying(x, w1, b1, w2)
+    if ln is None:
+        if return_input:
+            raise ValueError(f"{op}: return_input needs ln=(gamma, beta)")
+        return _mlp(recipe, dtype, axes, activation, None, jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), False,
+                    x, None, None, w1, b1, w2, dm1, dm2)[0]
+    gamma, beta = ln
+    _check_ln(op, x, gamma, beta, epsilon)
+    x, gamma, beta, w1, b1, w2 = match_varying(x, gamma, beta, w1, b1, w2)
+    out = _mlp(recipe, dtype, axes, activation, float(epsilon), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype),
+               bool(return_input), x, gamma, beta, w1, b1, w2, dm1, dm2)
+    return out if return_input else out[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _mlp(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, dm1, dm2):
+    return _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2,
+                    dm1, dm2)[0]
+
+
+def _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, dm1, dm2):
+    ops, _ = _ops()
+    x, gamma, beta, w1, b1, w2, dm1, dm2 = _first_order_only((x, gamma, beta, w1, b1, w2, dm1, dm2))
+    if eps is None:
+        hq, hq_t, amax_h = ops.cast_transpose(x, dm1.scale[INPUT], fp8_dtype=recipe.forward_dtype)
+        amax_h, ln_res = _observed(amax_h, dm1.scale, axes), None
+    else:
+        hq, amax_h, mean, rstd = _ln_fp8(x, gamma, beta, dm1, recipe, axes, eps)
+        hq_t, ln_res = None, (gamma, mean, rstd)
+    w1q, amax_w1 = _weight(w1, dm1, recipe, axes)
+    pre = _scaled_dot(_rows(hq), w1q, ((1,), (0,)), dm1.scale_inv[INPUT] * dm1.scale_inv[WEIGHT], dtype)
+    pre = pre + b1.astype(dtype)
+    aq, amax_a = ops.bias_gelu_fp8(pre, jnp.zeros(pre.shape[-1:], dtype), dm2.scale[INPUT],
+                                   fp8_dtype=recipe.forward_dtype, activation=act)
+    amax_a = _observed(amax_a, dm2.scale, axes)
+    w2q, amax_w2 = _weight(w2, dm2, recipe, axes)
+    y = _scaled_dot(aq, w2q, ((1,), (0,)), dm2.scale_inv[INPUT] * dm2.scale_inv[WEIGHT], dtype)
+    y = y.reshape(*x.shape[:-1], w2.shape[1])
+    res = (x, ln_res, _rows(hq), hq_t, w1q, pre, aq, w2q, dm1, dm2, amax_h, amax_w1, amax_a, amax_w2, b1)
+    return (y, x) if keep else (y,), res
+
+
+def _mlp_bwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, res, cts):
+    ops, _ = _ops()
+    cts, res = _first_order_only((cts, res))
+    x, ln_res, hq, hq_t, w1q, pre, aq, w2q, dm1, dm2, amax_h, amax_w1, amax_a, amax_w2, b1 = res
+    dy, dx_other = cts if keep else (cts[0], None)
+    g2q, g2q_t, amax_g2 = _grad_cast(dy, dm2, recipe, axes)
+    da, dw2 = _backward_gemms(g2q, g2q_t, aq, None, w2q, dm2, dtype, w2_dtype)
+    g1q, g1q_t, amax_g1, db1 = ops.dgelu_cast_transpose_dbias(
+        da, pre, dm1.scale[GRAD_OUTPUT], fp8_dtype=recipe.backward_dtype, activation=act, dbias_dtype=b1.dtype)
+    amax_g1 = _observed(amax_g1, dm1.scale, axes)
+    dh, dw1 = _backward_gemms(_rows(g1q), g1q_t, hq, hq_t, w1q, dm1, x.dtype, w1_dtype)
+    dh = dh.reshape(x.shape)
+    if ln_res is None:
+        dx, dgamma, dbeta = dh, None, None
+    else:
+        gamma, mean, rstd = ln_res
+        dx, dgamma, dbeta = _ln_backward(dh, dx_other, x, gamma, mean, rstd)
+    d_meta1 = DotMeta.observation(jnp.stack([amax_h, amax_w1, amax_g1], axis=-1), dm1)
+    d_meta2 = DotMeta.observation(jnp.stack([amax_a, amax_w2, amax_g2], axis=-1), dm2)
+    return dx, dgamma, dbeta, dw1, db1, dw2, d_meta1, d_meta2
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd, optimize_remat=True)

@@ -1,0 +1,132 @@
+"""jax_ls2.fp8.fused: LayerNorm -> FP8 GEMM and the FP8 MLP against the same math
+composed from fp8_dot (equal up to the rounding of the intermediates), the meta update
+(each GEMM's input, weight and output-gradient amaxes), vmap with a shared meta, the
+errors, and one FP8 cast per tensor in the lowered program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ls2 import fp8, ops
+from jax_ls2.fp8 import fused
+from numerics import rel_err
+
+RECIPE = fp8.DelayedScaling(amax_history_len=4)
+H, F, N = 32, 64, 48
+
+
+def _meta(*tensors):
+    """A meta whose scales come from the amaxes of `tensors` (input, weight, gradient)."""
+    meta = fp8.DotMeta.create(RECIPE)
+    amaxes = jnp.stack([jnp.max(jnp.abs(t)).astype(jnp.float32) for t in tensors])
+    return fp8.update_meta(meta, fp8.DotMeta.observation(amaxes, meta), RECIPE)
+
+
+def _data(seed=0, dtype=jnp.bfloat16):
+    k = jax.random.split(jax.random.key(seed), 8)
+    x = (jax.random.normal(k[0], (2, 8, H)) * 2 + 0.5).astype(dtype)
+    gamma, beta = 1 + 0.1 * jax.random.normal(k[1], (H,)), 0.1 * jax.random.normal(k[2], (H,))
+    w1, b1 = jax.random.normal(k[3], (H, F)) * 0.2, 0.1 * jax.random.normal(k[4], (F,))
+    w2 = jax.random.normal(k[5], (F, N)) * 0.1
+    c = jax.random.normal(k[6], (2, 8, N)).astype(dtype)
+    return x, gamma, beta, w1, b1, w2, c
+
+
+def _ln(x, gamma, beta):
+    return ops.layer_norm(x, gamma.astype(x.dtype), beta.astype(x.dtype))
+
+
+def _close(name, a, b, tol):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert rel_err(u, v) <= tol, (name, rel_err(u, v))
+
+
+def test_layernorm_fp8_dot_matches_layer_norm_then_fp8_dot():
+    x, gamma, beta, w1, _, _, _ = _data()
+    c = jax.random.normal(jax.random.key(9), (2, 8, F)).astype(x.dtype)
+    meta = _meta(_ln(x, gamma, beta), w1, c)
+
+    def fused_loss(x, gamma, beta, w, m):
+        y, x_res = fused.layernorm_fp8_dot(x, gamma, beta, w, m, RECIPE, return_input=True)
+        return jnp.sum((y * c).astype(jnp.float32)) + jnp.sum(x_res.astype(jnp.float32) ** 2)
+
+    def composed_loss(x, gamma, beta, w, m):
+        y = fp8.fp8_dot(_ln(x, gamma, beta), w, m, RECIPE)
+        return jnp.sum((y * c).astype(jnp.float32)) + jnp.sum(x.astype(jnp.float32) ** 2)
+
+    args = (x, gamma, beta, w1, meta)
+    got = jax.jit(jax.value_and_grad(fused_loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    want = jax.jit(jax.value_and_grad(composed_loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    _close("value", got[0], want[0], 2e-2)
+    for name, a, b in zip(("dx", "dgamma", "dbeta", "dw"), got[1][:4], want[1][:4]):
+        _close(name, a, b, 3e-2)
+    # The meta update: amaxes of LN(x), w and the output gradient (bf16 LN output here,
+    # float32 in the fused kernel: equal to bf16 rounding).
+    np.testing.assert_allclose(got[1][4].observed_amax(), want[1][4].observed_amax(), rtol=1e-2)
+    assert np.all(np.asarray(got[1][4].observed_amax()) > 0)
+
+
+@pytest.mark.parametrize("with_ln, activation", [(True, "gelu"), (False, "gelu_tanh"), (True, "relu")])
+def test_fp8_mlp_matches_fp8_dot_bias_act_fp8_dot(with_ln, activation):
+    x, gamma, beta, w1, b1, w2, c = _data(1)
+    h = _ln(x, gamma, beta) if with_ln else x
+    pre = h.astype(jnp.float32) @ w1 + b1
+    act = ops.bias_act_dropout(pre.astype(x.dtype), jnp.zeros((F,), x.dtype), activation=activation, rate=0.0,
+                               deterministic=True)
+    m1, m2 = _meta(h, w1, pre * 0.05), _meta(act, w2, c)
+
+    def fused_loss(x, gamma, beta, w1, b1, w2, m1, m2):
+        y = fused.fp8_mlp(x, w1, b1, w2, m1, m2, RECIPE, activation=activation,
+                          ln=(gamma, beta) if with_ln else None)
+        return jnp.sum((y * c).astype(jnp.float32)), y
+
+    def composed_loss(x, gamma, beta, w1, b1, w2, m1, m2):
+        h = _ln(x, gamma, beta) if with_ln else x
+        y1 = fp8.fp8_dot(h, w1, m1, RECIPE)
+        a = ops.bias_act_dropout(y1, b1.astype(y1.dtype), activation=activation, rate=0.0, deterministic=True)
+        y = fp8.fp8_dot(a, w2, m2, RECIPE)
+        return jnp.sum((y * c).astype(jnp.float32)), y
+
+    args = (x, gamma, beta, w1, b1, w2, m1, m2)
+    got = jax.jit(jax.value_and_grad(fused_loss, argnums=tuple(range(8)), has_aux=True))(*args)
+    want = jax.jit(jax.value_and_grad(composed_loss, argnums=tuple(range(8)), has_aux=True))(*args)
+    # The bias is added to the bf16 GEMM result (fused) or in float32 (composed), so a
+    # few FP8 roundings of the activation differ.
+    _close("y", got[0][1], want[0][1], 3e-2)
+    names = ("dx", "dgamma", "dbeta", "dw1", "db1", "dw2")
+    for i, name in enumerate(names):
+        if with_ln or i not in (1, 2):
+            _close(name, got[1][i], want[1][i], 5e-2)
+    for i in (6, 7):
+        amax_got, amax_want = got[1][i].observed_amax(), want[1][i].observed_amax()
+        assert np.all(np.asarray(amax_got) > 0)
+        np.testing.assert_allclose(amax_got, amax_want, rtol=2e-2)
+
+
+def test_vmap_with_a_shared_meta_records_one_observation_over_the_batch():
+    x, gamma, beta, w1, b1, w2, c = _data(2)
+    m1, m2 = _meta(x, w1, x), _meta(x, w2, c)
+    xs = jnp.stack([x, 3.0 * x])
+
+    def loss(ms):
+        y = jax.vmap(lambda xi: fused.fp8_mlp(xi, w1, b1, w2, ms[0], ms[1], RECIPE))(xs)
+        return jnp.sum(y.astype(jnp.float32))
+    d1, _ = jax.grad(loss)((m1, m2))
+    np.testing.assert_allclose(d1.observed_amax()[fp8.INPUT], 3.0 * jnp.abs(x.astype(jnp.float32)).max(), rtol=1e-2)
+
+
+def test_bad_input_names_the_op():
+    x, gamma, beta, w1, b1, w2, _ = _data()
+    m = fp8.DotMeta.create(RECIPE)
+    with pytest.raises(ValueError, match="fp8_mlp: activation must be one of"):
+        fused.fp8_mlp(x, w1, b1, w2, m, m, RECIPE, activation="swish")
+    with pytest.raises(ValueError, match=r"fp8_mlp: w2 must have shape \(64, N\)"):
+        fused.fp8_mlp(x, w1, b1, w2.T, m, m, RECIPE)
+    with pytest.raises(ValueError, match=r"fp8_mlp: b1 must have shape \(64,\)"):
+        fused.fp8_mlp(x, w1, b1[:3], w2, m, m, RECIPE)
+    with pytest.raises(ValueError, match=r"layernorm_fp8_dot: gamma must have shape \(32,\)"):
+        fused.layernorm_fp8_dot(x, gamma[:4], beta, w1, m, RECIPE)
+    with pytest.raises(ValueError, match="layernorm_fp8_dot: x's last dim"):
+        fused.layernorm_fp8_dot(x, gamma, beta, w1.T, m, RECIPE)
+
