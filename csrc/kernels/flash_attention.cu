@@ -255,6 +255,23 @@ __device__ __forceinline__ float Logit2(const FlashAttentionProblem& p, const Ro
   return x;
 }
 
+// Whether query i attends key j as far as bounds and causality go.
+__device__ __forceinline__ bool Attends(const FlashAttentionProblem& p, int i, int j) {
+  return i < p.q_len && j < p.kv_len && (!p.causal || j <= i + (p.kv_len - p.q_len));
+}
+
+// The kernels come in two variants. kMasks (a bias or segment ids, or a scale <= 0):
+// logits go through Logit2, in log2 units. Otherwise the scores stay raw q.k, masked to
+// -inf only in tiles that cross the bounds or the causal diagonal, and enter exp2 through
+// one FFMA with kScale2 = scale * log2(e) > 0 (the row max of raw scores times kScale2 is
+// the max of the logits). Per element that is one select in the few crossing tiles, and
+// no branches: branchy per-element code splits the loop into basic blocks that the
+// scheduler cannot overlap with the tensor-core work.
+template <bool kMasks>
+__device__ __forceinline__ float LogitMul(float scale2) {
+  return kMasks ? 1.f : scale2;
+}
+
 __device__ __forceinline__ int32_t QSeg(const FlashAttentionProblem& p, const RowCtx& c, int i) {
   return (c.q_seg && i < p.q_len) ? c.q_seg[(int64_t)i * p.q_seg_stride[1]] : 0;
 }
@@ -278,7 +295,7 @@ __device__ __forceinline__ bool Inside(const FlashAttentionProblem& p, int q0, i
 }
 
 // ---------------------------------------------------------------- forward
-template <typename T, int D>
+template <typename T, int D, bool kMasks>
 __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashAttentionFwdArgs a) {
   using Tile = FwdTile<D>;
   constexpr int BQ = Tile::kBQ, BK = Tile::kBK, MT = Tile::kMT, NT = Tile::kWarps * 32;
@@ -371,18 +388,30 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
     }
 
     const bool check = !Inside(p, q0, BQ, n0, BK);
+    const float mul = LogitMul<kMasks>(scale2);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+      if constexpr (kMasks) {
 #pragma unroll
-      for (int n = 0; n < BK / 8; ++n) {
+        for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          s[mt][n][e] = Logit2(p, ctx, s[mt][n][e], row[mt][r], n0 + n * 8 + 2 * t4 + (e & 1), qs[mt][r], check,
-                               scale2);
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            s[mt][n][e] = Logit2(p, ctx, s[mt][n][e], row[mt][r], n0 + n * 8 + 2 * t4 + (e & 1), qs[mt][r], check,
+                                 scale2);
+          }
+        }
+      } else if (check) {
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (!Attends(p, row[mt][e >> 1], n0 + n * 8 + 2 * t4 + (e & 1))) s[mt][n][e] = -INFINITY;
+          }
         }
       }
-      // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the tile, spread over a quad.
+      // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the tile, spread over a quad;
+      // m in log2 units.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float mx = -INFINITY;
@@ -390,22 +419,26 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
         for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][r], mx);
+        const float m_new = fmaxf(m[mt][r], mx * mul);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         const float alpha = Exp2Approx(m[mt][r] - m_use);
         m[mt][r] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
-          s[mt][n][2 * r] = Exp2Approx(s[mt][n][2 * r] - m_use);
-          s[mt][n][2 * r + 1] = Exp2Approx(s[mt][n][2 * r + 1] - m_use);
+          s[mt][n][2 * r] = Exp2Approx(fmaf(s[mt][n][2 * r], mul, -m_use));
+          s[mt][n][2 * r + 1] = Exp2Approx(fmaf(s[mt][n][2 * r + 1], mul, -m_use));
           sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
         }
         l[mt][r] = l[mt][r] * alpha + sum;
+        // Once the row maxima settle, alpha is exactly 1 for most key blocks: skip the
+        // D / 4 multiplies then (a warp-uniform branch).
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          o[mt][n][2 * r] *= alpha;
-          o[mt][n][2 * r + 1] *= alpha;
+          for (int n = 0; n < D / 8; ++n) {
+            o[mt][n][2 * r] *= alpha;
+            o[mt][n][2 * r + 1] *= alpha;
+          }
         }
       }
       if (p.threshold) {
@@ -504,7 +537,7 @@ __global__ void __launch_bounds__(kDeltaRowsPerBlock * 32) FlashDeltaKernel(Flas
 __device__ __forceinline__ float Lse2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
 // ---------------------------------------------------------------- backward: dq (and dbias)
-template <typename T, int D>
+template <typename T, int D, bool kMasks>
 __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAttentionBwdArgs a) {
   using Tile = DqTile<D>;
   constexpr int BQ = Tile::kBQ, BK = Tile::kBK, NT = Tile::kWarps * 32;
@@ -594,6 +627,24 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
       }
     }
     const bool check = !Inside(p, q0, BQ, n0, BK);
+    const float mul = LogitMul<kMasks>(scale2);
+    if constexpr (kMasks) {
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = Logit2(p, ctx, s[n][e], row[e >> 1], n0 + n * 8 + 2 * t4 + (e & 1), qs[e >> 1], check, scale2);
+        }
+      }
+    } else if (check) {
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!Attends(p, row[e >> 1], n0 + n * 8 + 2 * t4 + (e & 1))) s[n][e] = -INFINITY;
+        }
+      }
+    }
 #pragma unroll
     for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
@@ -606,8 +657,8 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
           z0 = keep0 ? p.keep_scale : 0.f;
           z1 = keep1 ? p.keep_scale : 0.f;
         }
-        const float p0 = Exp2Approx(Logit2(p, ctx, s[n][2 * r], i, j, qs[r], check, scale2) - lse2[r]);
-        const float p1 = Exp2Approx(Logit2(p, ctx, s[n][2 * r + 1], i, j + 1, qs[r], check, scale2) - lse2[r]);
+        const float p0 = Exp2Approx(fmaf(s[n][2 * r], mul, -lse2[r]));
+        const float p1 = Exp2Approx(fmaf(s[n][2 * r + 1], mul, -lse2[r]));
         const float ds0 = p0 * (dp[n][2 * r] * z0 - delta[r]);
         const float ds1 = p1 * (dp[n][2 * r + 1] * z1 - delta[r]);
         s[n][2 * r] = ds0;
@@ -650,7 +701,7 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
 }
 
 // ---------------------------------------------------------------- backward: dk, dv
-template <typename T, int D>
+template <typename T, int D, bool kMasks>
 __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashAttentionBwdArgs a) {
   using Tile = DkvTile<D>;
   constexpr int BK = Tile::kBK, BQ = Tile::kBQ, NT = Tile::kWarps * 32;
@@ -749,13 +800,31 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
     }
     // Element e of tile n: key key[e >> 1], query qq + 8 n + 2 t4 + (e & 1).
     const bool check = !Inside(p, qq, BQ, n0, BK);
+    const float mul = LogitMul<kMasks>(scale2);
+    if constexpr (kMasks) {
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = qq + n * 8 + 2 * t4 + (e & 1), j = key[e >> 1];
+          st[n][e] = Logit2(p, ctx, st[n][e], i, j, QSeg(p, ctx, i), check, scale2);
+        }
+      }
+    } else if (check) {
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!Attends(p, qq + n * 8 + 2 * t4 + (e & 1), key[e >> 1])) st[n][e] = -INFINITY;
+        }
+      }
+    }
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int c = n * 8 + 2 * t4 + (e & 1);
-        const int i = qq + c, j = key[e >> 1];
-        const float pr = Exp2Approx(Logit2(p, ctx, st[n][e], i, j, QSeg(p, ctx, i), check, scale2) - cL[c]);
+        const int c = n * 8 + 2 * t4 + (e & 1), j = key[e >> 1];
+        const float pr = Exp2Approx(fmaf(st[n][e], mul, -cL[c]));
         float z = 1.f;
         if (p.threshold) z = DropKeep(sDrop[buf * BQ + c], ctx.k0, p.threshold << 16, j) ? p.keep_scale : 0.f;
         st[n][e] = pr * z;                        // (P z)^T, for dv
@@ -812,12 +881,16 @@ cudaError_t LaunchWithSmem(void (*kernel)(Args), dim3 grid, int threads, size_t 
   return cudaGetLastError();
 }
 
+// The kMasks variant of the kernels (see LogitMul).
+bool HasMasks(const FlashAttentionProblem& p) { return p.bias != nullptr || p.kv_seg != nullptr || !(p.scale > 0.f); }
+
 template <typename T, int D>
 cudaError_t Fwd(const FlashAttentionFwdArgs& a, cudaStream_t stream) {
   using Tile = FwdTile<D>;
   const size_t smem = (size_t)(Tile::kBQ + 4 * Tile::kBK) * D * sizeof(T) + Tile::kBQ * sizeof(DropRow);
   const dim3 grid((a.p.q_len + Tile::kBQ - 1) / Tile::kBQ, a.p.heads, a.p.batch);
-  return LaunchWithSmem(FlashFwdKernel<T, D>, grid, Tile::kWarps * 32, smem, stream, a);
+  return LaunchWithSmem(HasMasks(a.p) ? FlashFwdKernel<T, D, true> : FlashFwdKernel<T, D, false>, grid,
+                        Tile::kWarps * 32, smem, stream, a);
 }
 
 template <typename T, int D>
@@ -834,13 +907,16 @@ cudaError_t Bwd(const FlashAttentionBwdArgs& a, cudaStream_t stream) {
   using DqT = DqTile<D>;
   const size_t dq_smem = (size_t)(2 * DqT::kBQ + 4 * DqT::kBK) * D * sizeof(T) + DqT::kBQ * sizeof(DropRow);
   const dim3 dq_grid((p.q_len + DqT::kBQ - 1) / DqT::kBQ, p.heads, p.batch);
-  err = LaunchWithSmem(FlashDqKernel<T, D>, dq_grid, DqT::kWarps * 32, dq_smem, stream, a);
+  const bool masks = HasMasks(p);
+  err = LaunchWithSmem(masks ? FlashDqKernel<T, D, true> : FlashDqKernel<T, D, false>, dq_grid, DqT::kWarps * 32,
+                       dq_smem, stream, a);
   if (err != cudaSuccess) return err;
   using KvT = DkvTile<D>;
   const size_t kv_smem = (size_t)(2 * KvT::kBK + 4 * KvT::kBQ) * D * sizeof(T) + 4 * KvT::kBQ * sizeof(float) +
                          2 * KvT::kBQ * sizeof(DropRow);
   const dim3 kv_grid((p.kv_len + KvT::kBK - 1) / KvT::kBK, p.kv_heads, p.batch);
-  return LaunchWithSmem(FlashDkvKernel<T, D>, kv_grid, KvT::kWarps * 32, kv_smem, stream, a);
+  return LaunchWithSmem(masks ? FlashDkvKernel<T, D, true> : FlashDkvKernel<T, D, false>, kv_grid,
+                        KvT::kWarps * 32, kv_smem, stream, a);
 }
 
 }  // namespace
