@@ -2,6 +2,8 @@
 composed from fp8_dot (equal up to the rounding of the intermediates), the meta update
 (each GEMM's input, weight and output-gradient amaxes), vmap with a shared meta, the
 errors, and one FP8 cast per tensor in the lowered program."""
+import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import pytest
 
 from jax_ls2 import fp8, ops
 from jax_ls2.fp8 import fused
-from numerics import rel_err
+from numerics import cuda_lowering_text, rel_err
 
 RECIPE = fp8.DelayedScaling(amax_history_len=4)
 H, F, N = 32, 64, 48
@@ -130,3 +132,65 @@ def test_bad_input_names_the_op():
     with pytest.raises(ValueError, match="layernorm_fp8_dot: x's last dim"):
         fused.layernorm_fp8_dot(x, gamma, beta, w1.T, m, RECIPE)
 
+
+# A quantization: a convert to FP8 (XLA's casts and the references of the fused casts) or
+# a fused cast kernel's custom call with FP8 results (its two layouts are one cast).
+_TO_FP8 = re.compile(r"= (?:stablehlo\.convert [^\n]*-> tensor<[^>]*f8E[^>]*>"
+                     r"|stablehlo\.custom_call @jax_ls2_[^\n]*-> \([^\n]*f8E[^\n]*)$", re.M)
+_F8_DOT = re.compile(r"stablehlo\.dot_general [^\n]*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
+
+
+_FUSED_CASTS = ("layer_norm_fp8", "bias_gelu_fp8", "cast_transpose", "dgelu_cast_transpose_dbias")
+
+
+@pytest.mark.parametrize("pre_layer_norm, param_dtype, fused_casts", [
+    # LayerNorm -> q|k|v and LayerNorm -> fc1 write FP8; GELU writes FP8; the backward
+    # casts fc2's and q|k|v's output gradients with their transposes, and dGELU's.
+    (True, jnp.float32, {"layer_norm_fp8": 2, "bias_gelu_fp8": 1, "cast_transpose": 2,
+                         "dgelu_cast_transpose_dbias": 1}),
+    (True, jnp.bfloat16, {"layer_norm_fp8": 2, "bias_gelu_fp8": 1, "cast_transpose": 2,
+                          "dgelu_cast_transpose_dbias": 1}),
+    # Post-LN: fc1's input (the LayerNorm's bf16 output, kept for the residual) is cast
+    # with its transpose.
+    (False, jnp.float32, {"layer_norm_fp8": 0, "bias_gelu_fp8": 1, "cast_transpose": 2,
+                          "dgelu_cast_transpose_dbias": 1}),
+])
+def test_train_step_quantizes_each_gemm_operand_once_and_writes_no_float32_activations(
+        monkeypatch, pre_layer_norm, param_dtype, fused_casts):
+    from flax import nnx
+
+    from jax_ls2 import nn as ls2
+    from test_fp8_dot import _scaled_gemm_forms
+    layer = ls2.TransformerEncoderLayer(H, F, 4, fp8=RECIPE, dtype=jnp.bfloat16, param_dtype=param_dtype,
+                                        pre_layer_norm=pre_layer_norm, deterministic=True, rngs=nnx.Rngs(0))
+    graphdef, variables, rest = nnx.split(layer, nnx.Any(nnx.Param, fp8.FP8Meta), ...)
+    x = jax.random.normal(jax.random.key(0), (2, 16, H), jnp.bfloat16)
+
+    def loss(variables, x):
+        return jnp.sum(nnx.merge(graphdef, variables, rest)(x).astype(jnp.float32) ** 2)
+    calls = collections.Counter({name: 0 for name in _FUSED_CASTS})
+
+    def spy(name, op):
+        def counted(*args, **kw):
+            calls[name] += 1
+            return op(*args, **kw)
+        return counted
+    for name in _FUSED_CASTS:
+        monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
+    text = cuda_lowering_text(jax.value_and_grad(loss, argnums=(0, 1)), variables, x)
+    assert dict(calls) == fused_casts
+    gemms = 4  # q|k|v, attention output, fc1, fc2
+    dots = [d for d in _F8_DOT.findall(text) if "f8E" in d[0] + d[1]]
+    assert len(dots) == 3 * gemms, dots
+    # One quantization per GEMM operand per step: the input and the weight in the forward,
+    # the output gradient in the backward -- not one per consumer (q, k, v) or per use
+    # (forward and wgrad), and no re-quantization of a tensor already in FP8.
+    assert len(_TO_FP8.findall(text)) == 3 * gemms, _TO_FP8.findall(text)
+    # Forward and dgrad results are bf16 activations written by the GEMM itself; only a
+    # float32 weight's gradient is float32. Each result goes straight to its scale
+    # multiply, which XLA folds into the cuBLASLt FP8 call.
+    forms = _scaled_gemm_forms(text)
+    w_out = "f32" if param_dtype == jnp.float32 else "bf16"
+    outs = collections.Counter(out.split("x")[-1].rstrip(">") for _, _, out, _ in forms)
+    assert outs == ({"bf16": 2 * gemms, "f32": gemms} if w_out == "f32" else {"bf16": 3 * gemms}), outs
+    assert all(scaled for *_, scaled in forms), forms
