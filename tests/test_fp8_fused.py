@@ -194,3 +194,82 @@ def test_train_step_quantizes_each_gemm_operand_once_and_writes_no_float32_activ
     outs = collections.Counter(out.split("x")[-1].rstrip(">") for _, _, out, _ in forms)
     assert outs == ({"bf16": 2 * gemms, "f32": gemms} if w_out == "f32" else {"bf16": 3 * gemms}), outs
     assert all(scaled for *_, scaled in forms), forms
+
+
+# ---------------------------------------------------------------- float64 truth, 2x rule
+@jax.custom_vjp
+def _qdq_operand(t, scale, fp8_dtype_code):
+    """t quantized to FP8 and back (float32); the gradient passes straight through."""
+    dtype = (jnp.float8_e4m3fn, jnp.float8_e5m2)[fp8_dtype_code]
+    limit = fp8.fp8_max(dtype)
+    return jnp.clip(t.astype(jnp.float32) * scale, -limit, limit).astype(dtype).astype(jnp.float32) / scale
+
+
+_qdq_operand.defvjp(lambda t, s, c: (_qdq_operand(t, s, c), None), lambda _, g: (g, None, None))
+
+
+@jax.custom_vjp
+def _qdq_gradient(t, scale, fp8_dtype_code):
+    """t unchanged; its cotangent quantized to FP8 and back (an output gradient's cast)."""
+    return t
+
+
+_qdq_gradient.defvjp(lambda t, s, c: (t, (s, c)), lambda res, g: (_qdq_operand(g, *res), None, None))
+
+
+def _mlp_reference(x, gamma, beta, w1, b1, w2, m1, m2, activation, quantized):
+    """LayerNorm -> fc1 -> act -> fc2 in x's dtype (float32 or float64); with
+    `quantized`, XLA's unfused FP8 math: operands quantize-dequantized with the metas'
+    scales, output gradients too (E5M2)."""
+    e4, e5 = 0, 1
+    op = (lambda t, m, row: _qdq_operand(t, m.scale[row], e4)) if quantized else (lambda t, m, row: t)
+    grad = (lambda t, m: _qdq_gradient(t, m.scale[fp8.GRAD_OUTPUT], e5)) if quantized else (lambda t, m: t)
+    mean = jnp.mean(x, -1, keepdims=True)
+    h = (x - mean) / jnp.sqrt(jnp.mean((x - mean) ** 2, -1, keepdims=True) + 1e-5) * gamma + beta
+    hi = jax.lax.Precision.HIGHEST
+    pre = grad(jnp.dot(op(h, m1, 0).astype(x.dtype), op(w1, m1, 1).astype(x.dtype), precision=hi), m1) + b1
+    act = {"gelu": lambda v: jax.nn.gelu(v, approximate=False), "gelu_tanh": jax.nn.gelu,
+           "relu": jax.nn.relu}[activation]
+    return grad(jnp.dot(op(act(pre), m2, 0).astype(x.dtype), op(w2, m2, 1).astype(x.dtype), precision=hi), m2)
+
+
+def _check_fp8_mlp_within_2x(activation):
+    from numerics import assert_within_2x, f64
+    x, gamma, beta, w1, b1, w2, c = _data(3)
+    args = (x, gamma, beta, w1, b1, w2)
+    fresh = fp8.DotMeta.create(RECIPE)
+
+    def loss(x, gamma, beta, w1, b1, w2, m1, m2):
+        y = fused.fp8_mlp(x, w1, b1, w2, m1, m2, RECIPE, activation=activation, ln=(gamma, beta))
+        return jnp.sum((y * c).astype(jnp.float32)), y
+    step = jax.jit(jax.grad(loss, argnums=tuple(range(8)), has_aux=True))
+    # Delayed scaling: the scales come from a first step's observations.
+    d, _ = step(*args, fresh, fresh)
+    m1, m2 = (fp8.update_meta(fresh, u, RECIPE) for u in d[6:])
+    grads, y = step(*args, m1, m2)
+    cpu = jax.devices("cpu")[0]
+
+    def reference(dtype, quantized):
+        def f(*a):
+            return jnp.sum(_mlp_reference(*a, m1, m2, activation, quantized) * c.astype(dtype)), \
+                _mlp_reference(*a, m1, m2, activation, quantized)
+        a = jax.device_put([t.astype(dtype) for t in args], cpu)
+        return jax.grad(f, argnums=tuple(range(6)), has_aux=True)(*a)
+    with jax.enable_x64(True):
+        truth_grads, truth_y = reference(jnp.float64, False)
+        truth = [f64(t) for t in (truth_y, *truth_grads)]
+    ref_grads, ref_y = reference(jnp.float32, True)
+    for name, got, ref, t in zip(("y", "dx", "dgamma", "dbeta", "dw1", "db1", "dw2"), (y, *grads[:6]),
+                                 (ref_y, *ref_grads), truth):
+        assert_within_2x(name, got, ref, t)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_fp8_mlp_within_2x_of_unfused_quantize_dot_dequantize(activation):
+    _check_fp8_mlp_within_2x(activation)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_mlp_within_2x_of_unfused_quantize_dot_dequantize():
+    # On the GPU: the fused cast kernels and the cuBLASLt FP8 GEMMs (truth and reference on the CPU).
+    _check_fp8_mlp_within_2x("gelu_tanh")
