@@ -242,38 +242,65 @@ __device__ __forceinline__ void DropKeepPair(const DropRow& d, uint32_t k0, uint
   }
 }
 
-// Logit (log2 units) of (i, j) from the raw q.k, -inf where masked. `check` false
-// skips the bounds/causal tests for blocks known to be inside.
-__device__ __forceinline__ float Logit2(const FlashAttentionProblem& p, const RowCtx& c, float qk, int i, int j,
-                                        int32_t qs, bool check, float scale2) {
-  float x = qk * scale2;
-  if (check) {
-    if (i >= p.q_len || j >= p.kv_len || (p.causal && j > i + (p.kv_len - p.q_len))) return -INFINITY;
-  }
-  if (c.kv_seg && c.kv_seg[(int64_t)j * p.kv_seg_stride[1]] != qs) return -INFINITY;
-  if (c.bias) x += c.bias[i * p.bias_stride[2] + j * p.bias_stride[3]] * kLog2e;
-  return x;
-}
-
 // Whether query i attends key j as far as bounds and causality go.
 __device__ __forceinline__ bool Attends(const FlashAttentionProblem& p, int i, int j) {
   return i < p.q_len && j < p.kv_len && (!p.causal || j <= i + (p.kv_len - p.q_len));
 }
 
-// The kernels come in two variants. kMasks (a bias or segment ids, or a scale <= 0):
-// logits go through Logit2, in log2 units. Otherwise the scores stay raw q.k, masked to
-// -inf only in tiles that cross the bounds or the causal diagonal, and enter exp2 through
-// one FFMA with kScale2 = scale * log2(e) > 0 (the row max of raw scores times kScale2 is
-// the max of the logits). Per element that is one select in the few crossing tiles, and
-// no branches: branchy per-element code splits the loop into basic blocks that the
-// scheduler cannot overlap with the tensor-core work.
-template <bool kMasks>
-__device__ __forceinline__ float LogitMul(float scale2) {
-  return kMasks ? 1.f : scale2;
+// The segment id of query i (0 without segment ids); i is clamped into range.
+__device__ __forceinline__ int32_t QSeg(const FlashAttentionProblem& p, const RowCtx& c, int i) {
+  return c.q_seg ? c.q_seg[(int64_t)min(i, p.q_len - 1) * p.q_seg_stride[1]] : 0;
 }
 
-__device__ __forceinline__ int32_t QSeg(const FlashAttentionProblem& p, const RowCtx& c, int i) {
-  return (c.q_seg && i < p.q_len) ? c.q_seg[(int64_t)i * p.q_seg_stride[1]] : 0;
+// Whether the scores of a tile stay raw q.k (see ToLogits): no bias, no segment ids and a
+// positive scale. Uniform over the CTA.
+template <bool kBias, bool kSeg>
+__device__ __forceinline__ bool RawScores(float scale2) {
+  return !kBias && !kSeg && scale2 > 0.f;
+}
+
+// Turns the scores s of a tile (q.k from the MMA) into values v such that v * mul is the
+// logit in log2 units, -inf where masked; coords(n, e, i, j, qs) gives element (n, e)'s
+// query i, key j and the query's segment id qs.
+//   raw (RawScores): v = q.k and mul = scale * log2(e) > 0, so the row max of v times mul
+//     is the max of the logits, and exp2 takes one FFMA per element;
+//   otherwise v = scale * log2(e) q.k (+ log2(e) bias) (-inf across segments), mul = 1.
+// The kernels are compiled for each (kBias, kSeg) and the per-element work is free of
+// branches (indices clamped for the loads, masks by selects): branchy per-element code
+// splits the loop into small basic blocks that the scheduler cannot overlap with the
+// tensor-core work. Only tiles crossing the bounds or the causal diagonal (`check`, a
+// per-tile branch) get the bounds/causal selects.
+template <bool kBias, bool kSeg, int N, typename Coords>
+__device__ __forceinline__ void ToLogits(const FlashAttentionProblem& p, const RowCtx& c, float (&s)[N][4], bool raw,
+                                         bool check, float scale2, Coords&& coords) {
+  if (!raw) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int i, j;
+        int32_t qs;
+        coords(n, e, i, j, qs);
+        const int64_t ic = min(i, p.q_len - 1), jc = min(j, p.kv_len - 1);
+        float x = s[n][e] * scale2;
+        if constexpr (kBias) x = fmaf(c.bias[ic * p.bias_stride[2] + jc * p.bias_stride[3]], kLog2e, x);
+        if constexpr (kSeg) x = c.kv_seg[jc * p.kv_seg_stride[1]] == qs ? x : -INFINITY;
+        s[n][e] = x;
+      }
+    }
+  }
+  if (check) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int i, j;
+        int32_t qs;
+        coords(n, e, i, j, qs);
+        if (!Attends(p, i, j)) s[n][e] = -INFINITY;
+      }
+    }
+  }
 }
 
 // Keys a query block q0 .. q0 + rows - 1 can attend: [0, end).
@@ -295,7 +322,7 @@ __device__ __forceinline__ bool Inside(const FlashAttentionProblem& p, int q0, i
 }
 
 // ---------------------------------------------------------------- forward
-template <typename T, int D, bool kMasks>
+template <typename T, int D, bool kBias, bool kSeg>
 __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashAttentionFwdArgs a) {
   using Tile = FwdTile<D>;
   constexpr int BQ = Tile::kBQ, BK = Tile::kBK, MT = Tile::kMT, NT = Tile::kWarps * 32;
@@ -388,28 +415,15 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
     }
 
     const bool check = !Inside(p, q0, BQ, n0, BK);
-    const float mul = LogitMul<kMasks>(scale2);
+    const bool raw = RawScores<kBias, kSeg>(scale2);
+    const float mul = raw ? scale2 : 1.f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      if constexpr (kMasks) {
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1;
-            s[mt][n][e] = Logit2(p, ctx, s[mt][n][e], row[mt][r], n0 + n * 8 + 2 * t4 + (e & 1), qs[mt][r], check,
-                                 scale2);
-          }
-        }
-      } else if (check) {
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (!Attends(p, row[mt][e >> 1], n0 + n * 8 + 2 * t4 + (e & 1))) s[mt][n][e] = -INFINITY;
-          }
-        }
-      }
+      ToLogits<kBias, kSeg>(p, ctx, s[mt], raw, check, scale2, [&](int n, int e, int& i, int& j, int32_t& q_seg) {
+        i = row[mt][e >> 1];
+        j = n0 + n * 8 + 2 * t4 + (e & 1);
+        q_seg = qs[mt][e >> 1];
+      });
       // Online softmax: rows g (r = 0) and g + 8 (r = 1) of the tile, spread over a quad;
       // m in log2 units.
 #pragma unroll
@@ -537,7 +551,7 @@ __global__ void __launch_bounds__(kDeltaRowsPerBlock * 32) FlashDeltaKernel(Flas
 __device__ __forceinline__ float Lse2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
 // ---------------------------------------------------------------- backward: dq (and dbias)
-template <typename T, int D, bool kMasks>
+template <typename T, int D, bool kBias, bool kSeg>
 __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAttentionBwdArgs a) {
   using Tile = DqTile<D>;
   constexpr int BQ = Tile::kBQ, BK = Tile::kBK, NT = Tile::kWarps * 32;
@@ -627,24 +641,13 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
       }
     }
     const bool check = !Inside(p, q0, BQ, n0, BK);
-    const float mul = LogitMul<kMasks>(scale2);
-    if constexpr (kMasks) {
-#pragma unroll
-      for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[n][e] = Logit2(p, ctx, s[n][e], row[e >> 1], n0 + n * 8 + 2 * t4 + (e & 1), qs[e >> 1], check, scale2);
-        }
-      }
-    } else if (check) {
-#pragma unroll
-      for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (!Attends(p, row[e >> 1], n0 + n * 8 + 2 * t4 + (e & 1))) s[n][e] = -INFINITY;
-        }
-      }
-    }
+    const bool raw = RawScores<kBias, kSeg>(scale2);
+    const float mul = raw ? scale2 : 1.f;
+    ToLogits<kBias, kSeg>(p, ctx, s, raw, check, scale2, [&](int n, int e, int& i, int& j, int32_t& q_seg) {
+      i = row[e >> 1];
+      j = n0 + n * 8 + 2 * t4 + (e & 1);
+      q_seg = qs[e >> 1];
+    });
 #pragma unroll
     for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
@@ -663,7 +666,7 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
         const float ds1 = p1 * (dp[n][2 * r + 1] * z1 - delta[r]);
         s[n][2 * r] = ds0;
         s[n][2 * r + 1] = ds1;
-        if (ctx.bias != nullptr && i < p.q_len) {
+        if (kBias && i < p.q_len) {
           float* db = a.dbias + b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2];
           if (j < p.kv_len && ds0 != 0.f) atomicAdd(db + j * p.bias_stride[3], ds0);
           if (j + 1 < p.kv_len && ds1 != 0.f) atomicAdd(db + (j + 1) * p.bias_stride[3], ds1);
@@ -701,7 +704,7 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
 }
 
 // ---------------------------------------------------------------- backward: dk, dv
-template <typename T, int D, bool kMasks>
+template <typename T, int D, bool kBias, bool kSeg>
 __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashAttentionBwdArgs a) {
   using Tile = DkvTile<D>;
   constexpr int BK = Tile::kBK, BQ = Tile::kBQ, NT = Tile::kWarps * 32;
@@ -800,25 +803,13 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
     }
     // Element e of tile n: key key[e >> 1], query qq + 8 n + 2 t4 + (e & 1).
     const bool check = !Inside(p, qq, BQ, n0, BK);
-    const float mul = LogitMul<kMasks>(scale2);
-    if constexpr (kMasks) {
-#pragma unroll
-      for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = qq + n * 8 + 2 * t4 + (e & 1), j = key[e >> 1];
-          st[n][e] = Logit2(p, ctx, st[n][e], i, j, QSeg(p, ctx, i), check, scale2);
-        }
-      }
-    } else if (check) {
-#pragma unroll
-      for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (!Attends(p, qq + n * 8 + 2 * t4 + (e & 1), key[e >> 1])) st[n][e] = -INFINITY;
-        }
-      }
-    }
+    const bool raw = RawScores<kBias, kSeg>(scale2);
+    const float mul = raw ? scale2 : 1.f;
+    ToLogits<kBias, kSeg>(p, ctx, st, raw, check, scale2, [&](int n, int e, int& i, int& j, int32_t& q_seg) {
+      i = qq + n * 8 + 2 * t4 + (e & 1);
+      j = key[e >> 1];
+      q_seg = kSeg ? QSeg(p, ctx, i) : 0;
+    });
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
@@ -881,16 +872,20 @@ cudaError_t LaunchWithSmem(void (*kernel)(Args), dim3 grid, int threads, size_t 
   return cudaGetLastError();
 }
 
-// The kMasks variant of the kernels (see LogitMul).
-bool HasMasks(const FlashAttentionProblem& p) { return p.bias != nullptr || p.kv_seg != nullptr || !(p.scale > 0.f); }
+// The kernel variant (see ToLogits) for the problem's bias and segment ids.
+template <typename Kernel>
+Kernel Variant(const FlashAttentionProblem& p, Kernel none, Kernel seg, Kernel bias, Kernel both) {
+  return p.bias != nullptr ? (p.kv_seg != nullptr ? both : bias) : (p.kv_seg != nullptr ? seg : none);
+}
 
 template <typename T, int D>
 cudaError_t Fwd(const FlashAttentionFwdArgs& a, cudaStream_t stream) {
   using Tile = FwdTile<D>;
   const size_t smem = (size_t)(Tile::kBQ + 4 * Tile::kBK) * D * sizeof(T) + Tile::kBQ * sizeof(DropRow);
   const dim3 grid((a.p.q_len + Tile::kBQ - 1) / Tile::kBQ, a.p.heads, a.p.batch);
-  return LaunchWithSmem(HasMasks(a.p) ? FlashFwdKernel<T, D, true> : FlashFwdKernel<T, D, false>, grid,
-                        Tile::kWarps * 32, smem, stream, a);
+  const auto kernel = Variant(a.p, FlashFwdKernel<T, D, false, false>, FlashFwdKernel<T, D, false, true>,
+                              FlashFwdKernel<T, D, true, false>, FlashFwdKernel<T, D, true, true>);
+  return LaunchWithSmem(kernel, grid, Tile::kWarps * 32, smem, stream, a);
 }
 
 template <typename T, int D>
@@ -907,16 +902,17 @@ cudaError_t Bwd(const FlashAttentionBwdArgs& a, cudaStream_t stream) {
   using DqT = DqTile<D>;
   const size_t dq_smem = (size_t)(2 * DqT::kBQ + 4 * DqT::kBK) * D * sizeof(T) + DqT::kBQ * sizeof(DropRow);
   const dim3 dq_grid((p.q_len + DqT::kBQ - 1) / DqT::kBQ, p.heads, p.batch);
-  const bool masks = HasMasks(p);
-  err = LaunchWithSmem(masks ? FlashDqKernel<T, D, true> : FlashDqKernel<T, D, false>, dq_grid, DqT::kWarps * 32,
-                       dq_smem, stream, a);
+  const auto dq_kernel = Variant(p, FlashDqKernel<T, D, false, false>, FlashDqKernel<T, D, false, true>,
+                                 FlashDqKernel<T, D, true, false>, FlashDqKernel<T, D, true, true>);
+  err = LaunchWithSmem(dq_kernel, dq_grid, DqT::kWarps * 32, dq_smem, stream, a);
   if (err != cudaSuccess) return err;
   using KvT = DkvTile<D>;
   const size_t kv_smem = (size_t)(2 * KvT::kBK + 4 * KvT::kBQ) * D * sizeof(T) + 4 * KvT::kBQ * sizeof(float) +
                          2 * KvT::kBQ * sizeof(DropRow);
   const dim3 kv_grid((p.kv_len + KvT::kBK - 1) / KvT::kBK, p.kv_heads, p.batch);
-  return LaunchWithSmem(masks ? FlashDkvKernel<T, D, true> : FlashDkvKernel<T, D, false>, kv_grid,
-                        KvT::kWarps * 32, kv_smem, stream, a);
+  const auto kv_kernel = Variant(p, FlashDkvKernel<T, D, false, false>, FlashDkvKernel<T, D, false, true>,
+                                 FlashDkvKernel<T, D, true, false>, FlashDkvKernel<T, D, true, true>);
+  return LaunchWithSmem(kv_kernel, kv_grid, KvT::kWarps * 32, kv_smem, stream, a);
 }
 
 }  // namespace
