@@ -143,6 +143,34 @@ def test_gemms_have_the_form_xla_folds_into_one_cublaslt_fp8_call(x_dtype, w_dty
         assert scaled, (a, b, out)
 
 
+def test_splits_share_one_quantization_and_equal_the_whole_gemm():
+    recipe = fp8.DelayedScaling(amax_history_len=4)
+    k = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(k[0], (2, 8, 32), jnp.bfloat16)
+    w = jax.random.normal(k[1], (32, 48)) * 0.1
+    c = jax.random.normal(k[2], (2, 8, 48), jnp.bfloat16)
+    meta = _delayed_meta(recipe, x, w, c)
+
+    def loss(x, w, m, splits):
+        ys = fp8.fp8_dot(x, w, m, recipe, dtype=jnp.bfloat16, splits=splits)
+        y = jnp.concatenate(ys, -1) if splits > 1 else ys
+        return jnp.sum((y * c).astype(jnp.float32)), y
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (dx3, dw3, dm3), y3 = grad(x, w, meta, 3)
+    (dx1, dw1, dm1), y1 = grad(x, w, meta, 1)
+    for a, b in ((y3, y1), (dx3, dx1), (dw3, dw1)):
+        np.testing.assert_allclose(f64(a), f64(b), rtol=1e-2, atol=1e-2 * float(jnp.abs(f64(b)).max()))
+    np.testing.assert_array_equal(dm3.amax_history, dm1.amax_history)
+    # Three forward GEMMs on one quantized x and w; one dgrad and one wgrad.
+    text = cuda_lowering_text(lambda x, w, m: grad(x, w, m, 3), x, w, meta)
+    forms = _scaled_gemm_forms(text)
+    assert sorted(out for *_, out, _ in forms) == sorted(["tensor<16x16xbf16>"] * 3 + ["tensor<16x32xbf16>",
+                                                                                     "tensor<32x48xf32>"]), forms
+    assert len(re.findall(r"stablehlo\.convert [^\n]*-> tensor<[^>]*f8E", text)) == 3
+    with pytest.raises(ValueError, match="fp8_dot: splits must be a positive int dividing w's N=48 columns, got 5"):
+        fp8.fp8_dot(x, w, meta, recipe, splits=5)
+
+
 def test_second_order_raises():
     recipe = fp8.DelayedScaling(amax_history_len=2)
     x, w, meta = jnp.ones((2, 8)), jnp.ones((8, 4)), fp8.DotMeta.create(recipe)

@@ -21,11 +21,12 @@ from numerics import mesh8, shard
 
 RECIPE = fp8.DelayedScaling(amax_history_len=4)
 HIDDEN, FFN, HEADS = 32, 64, 4
-# FP8 weight GEMMs per layer: q|k|v (one GEMM), attention output, fc1, fc2; the decoder adds
-# cross-attention's q, kv and output.
+# FP8 weight GEMMs (and metas) per layer: q|k|v, attention output, fc1, fc2; the decoder
+# adds cross-attention's q, kv and output.
 ENCODER_GEMMS, DECODER_GEMMS = 4, 7
-# The bf16 layers run q, k and v as three GEMMs.
-BF16_EXTRA_QKV_GEMMS = 2
+# q, k and v run as three forward GEMMs (FP8: sharing one meta, one quantized input and
+# weight, and one dgrad and wgrad; bf16: three of each).
+QKV_EXTRA_GEMMS = 2
 WRT = nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))
 
 
@@ -107,20 +108,22 @@ def test_lowered_train_step_has_fp8_dot_generals_for_every_weight_gemm(decoder):
     gemms = DECODER_GEMMS if decoder else ENCODER_GEMMS
     e4, e5 = "f8E4M3FN", "f8E5M2"
     # forward e4m3 x e4m3; dgrad e5m2 (output gradient) x e4m3 (weight); wgrad e4m3 x e5m2.
-    assert kinds[(e4, e4)] == gemms and kinds[(e5, e4)] == gemms and kinds[(e4, e5)] == gemms, kinds
-    assert sum(kinds.values()) == 3 * gemms + sum(n for k, n in kinds.items() if "f8" not in k[0] + k[1])
+    assert kinds[(e4, e4)] == gemms + QKV_EXTRA_GEMMS and kinds[(e5, e4)] == gemms and kinds[(e4, e5)] == gemms, kinds
+    assert sum(kinds.values()) == 3 * gemms + QKV_EXTRA_GEMMS + sum(n for k, n in kinds.items()
+                                                                    if "f8" not in k[0] + k[1])
     # The dot_generals left in bf16/f32 are attention's (scores, context, their gradients):
     # the bf16 layer's dot_generals less its 3 per weight GEMM (forward, dgrad, wgrad),
     # q, k and v counted separately there.
     bf16_kinds = _dot_kinds(_lowered_train_step(decoder, None))
     assert not any("f8" in k[0] + k[1] for k in bf16_kinds)
-    assert sum(n for k, n in kinds.items() if "f8" not in k[0] + k[1]) == sum(bf16_kinds.values()) - 3 * (gemms + BF16_EXTRA_QKV_GEMMS)
+    assert sum(n for k, n in kinds.items() if "f8" not in k[0] + k[1]) == sum(bf16_kinds.values()) - 3 * (gemms + QKV_EXTRA_GEMMS)
     assert not _UPCAST.findall(text), _UPCAST.findall(text)[:3]
 
 
 def test_lowered_train_step_in_e4m3_format_has_e4m3_gradients():
     kinds = _dot_kinds(_lowered_train_step(False, fp8.DelayedScaling(fp8_format="e4m3", amax_history_len=4)))
-    assert kinds[("f8E4M3FN", "f8E4M3FN")] == 3 * ENCODER_GEMMS and not any("f8E5M2" in k for k in kinds), kinds
+    assert kinds[("f8E4M3FN", "f8E4M3FN")] == 3 * ENCODER_GEMMS + QKV_EXTRA_GEMMS and \
+        not any("f8E5M2" in k for k in kinds), kinds
 
 
 _CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
@@ -256,7 +259,8 @@ def test_gpu_compiled_train_step_runs_every_weight_gemm_as_a_cublaslt_fp8_gemm()
     pairs = collections.Counter(" x ".join(sorted(k.split(" x "))) for k in inv.cublaslt_f8)
     assert not inv.f8_dots, "FP8 GEMMs not on cuBLASLt:\n" + _describe(inv)
     assert not inv.upcasts, "FP8 operands upcast:\n" + _describe(inv)
-    assert pairs == {f"{e4} x {e4}": ENCODER_GEMMS, f"{e4} x {e5}": 2 * ENCODER_GEMMS}, _describe(inv)
+    assert pairs == {f"{e4} x {e4}": ENCODER_GEMMS + QKV_EXTRA_GEMMS, f"{e4} x {e5}": 2 * ENCODER_GEMMS}, \
+        _describe(inv)
     value, (grads, dx) = step(variables, x)
     assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(dx)))
     for _, meta in nnx.to_flat_state(fp8.split_meta(grads)[1]):

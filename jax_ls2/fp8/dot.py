@@ -15,7 +15,7 @@ OP = "fp8_dot"
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
+def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=(), splits: int = 1):
     """``x @ w`` with both operands cast to FP8 by their delayed scales.
 
     Args:
@@ -31,9 +31,15 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
         varying over the union of their axes, so a replicated w gets its gradient
         summed over them. Under a sharded ``jit`` nothing is needed: the amax of a
         sharded array is already global.
+      splits: w's N columns taken as ``splits`` equal blocks (say the q, k and v parts
+        of a fused projection), each its own GEMM writing its own result, with x
+        quantized once and w by one scale (one meta). The backward concatenates the
+        blocks' gradients in the pass that quantizes them and runs one dgrad and one
+        wgrad GEMM.
 
     Returns:
-      (..., N) in ``dtype``.
+      (..., N) in ``dtype``; with ``splits > 1`` a tuple of ``splits`` arrays
+      (..., N / splits).
 
     Forward: x and w are cast to E4M3 with ``meta.scale`` (saturating at 448) and
     multiplied as a 2-D FP8 ``dot_general`` accumulating in float32, scaled by the two
@@ -48,7 +54,15 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=()):
     Second-order derivatives raise NotImplementedError.
     """
     x, w, dm, dtype, axes = _prepare(OP, x, w, meta, recipe, dtype, amax_axes)
-    return _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w, dm)
+    splits = _check_splits(OP, splits, w)
+    ys = _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), splits, x, w, dm)
+    return ys if splits > 1 else ys[0]
+
+
+def _check_splits(op, splits, w) -> int:
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or w.shape[1] % splits:
+        raise ValueError(f"{op}: splits must be a positive int dividing w's N={w.shape[1]} columns, got {splits!r}")
+    return splits
 
 
 def _prepare(op, x, w, meta, recipe, dtype, amax_axes, *, x_name="x", w_name="w"):
@@ -149,6 +163,23 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
+def _split_gemms(aq, wq, splits, scale_inv, dtype, lead):
+    """aq (M, K) times each of wq's (K, N) ``splits`` column blocks: a tuple of
+    (*lead, N / splits) results in ``dtype``."""
+    n = wq.shape[1] // splits
+    # One operand per GEMM: XLA's dot merger would otherwise merge GEMMs sharing aq back
+    # into one, whose result slices cost full activation copies.
+    aqs = jax.lax.optimization_barrier((aq,) * splits) if splits > 1 else (aq,)
+    return tuple(_scaled_dot(a, wq[:, i * n:(i + 1) * n], ((1,), (0,)), scale_inv, dtype).reshape(*lead, n)
+                 for i, a in enumerate(aqs))
+
+
+def _joined(g):
+    """The output gradient of `_split_gemms`' results as one (..., N) array (a
+    concatenation XLA fuses into the pass that reads it)."""
+    return g[0] if len(g) == 1 else jnp.concatenate(g, axis=-1)
+
+
 @custom_vmap
 def _amax(t, like_scale):
     """max |t| as a float32 scalar; ``like_scale`` (the meta's scale) only tells the
@@ -193,24 +224,25 @@ def _first_order_only_jvp(primals, tangents):
                               f"pass quantizes to FP8, which has no useful derivative)")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
-    return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
+    return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm)[0]
 
 
-def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, x, w, dm):
+def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
     x, w, dm = _first_order_only((x, w, dm))
     amax_x = _reduced_amax(x, dm.scale, axes)
     amax_w = _reduced_amax(w, dm.scale, axes)
     xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
     wq = _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype)
-    y = _scaled_dot(_rows(xq), wq, ((1,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (xq, wq, dm, amax_x, amax_w)
+    ys = _split_gemms(_rows(xq), wq, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype, x.shape[:-1])
+    return ys, (xq, wq, dm, amax_x, amax_w)
 
 
-def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, residuals, g):
+def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, splits, residuals, g):
     g, residuals = _first_order_only((g, residuals))
     xq, wq, dm, amax_x, amax_w = residuals
+    g = _joined(g)
     amax_g = _reduced_amax(g, dm.scale, axes)
     gq = _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype))
     # dgrad (M, N) x (K, N) -> (M, K); wgrad (M, K) x (M, N) -> (K, N); both 2-D GEMMs.

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import _varying_axes, match_varying
-from jax_ls2.fp8.dot import _first_order_only, _prepare, _quantize, _reduced_amax, _rows, _scaled_dot
+from jax_ls2.fp8.dot import (_check_splits, _first_order_only, _joined, _prepare, _quantize, _reduced_amax, _rows,
+                              _scaled_dot, _split_gemms)
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
 from jax_ls2.fp8.state import DotMeta
 
@@ -79,9 +80,12 @@ def _weight(w, dm, recipe, axes):
     return _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype), _reduced_amax(w, dm.scale, axes)
 
 
-def _grad_cast(g, dm, recipe, axes):
+def _grad_cast(g, dm, recipe, axes, fused_cast=True):
     """The output gradient g (..., N) as FP8 rows (M, N), its transpose (N, M) and amax,
-    one pass (`cast_transpose`)."""
+    one pass (`cast_transpose`); without ``fused_cast`` (g a concatenation XLA should
+    fuse into the cast rather than write out for a kernel) XLA's cast, and no transpose."""
+    if not fused_cast:
+        return _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype)), None, _reduced_amax(g, dm.scale, axes)
     ops, _ = _ops()
     gq, gq_t, amax = ops.cast_transpose(g, dm.scale[GRAD_OUTPUT], fp8_dtype=recipe.backward_dtype)
     return _rows(gq), gq_t, _observed(amax, dm.scale, axes)
@@ -90,16 +94,14 @@ def _grad_cast(g, dm, recipe, axes):
 def _backward_gemms(gq, gq_t, hq, hq_t, wq, dm, h_dtype, w_dtype):
     """dgrad (M, N) x (K, N) -> (M, K) and wgrad (K, N) of one GEMM ``h @ w``.
 
-    The wgrad reads the transposed copies: hq_t (K, M) when a kernel wrote it (else hq
-    (M, K), which XLA transposes), and gq_t (N, M); both K-major, as Hopper's FP8
-    GEMMs take them.
+    The wgrad reads the transposed copies where a kernel wrote them: hq_t (K, M) and
+    gq_t (N, M), K-major as Hopper's FP8 GEMMs take them; XLA transposes hq (M, K) or
+    gq (M, N) where they are None.
     """
     dh = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], h_dtype)
-    s = dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT]
-    if hq_t is not None:
-        dw = _scaled_dot(hq_t, gq_t, ((1,), (1,)), s, w_dtype)
-    else:
-        dw = _scaled_dot(hq, gq_t, ((0,), (1,)), s, w_dtype)
+    a, a_dim = (hq, 0) if hq_t is None else (hq_t, 1)
+    b, b_dim = (gq, 0) if gq_t is None else (gq_t, 1)
+    dw = _scaled_dot(a, b, ((a_dim,), (b_dim,)), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
     return dh, dw
 
 
@@ -127,7 +129,7 @@ def _ln_backward(dh, dx_other, x, gamma, mean, rstd):
 
 # ---------------------------------------------------------------- LayerNorm -> GEMM
 def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilon: float = 1e-5, dtype=None,
-                      amax_axes=(), return_input: bool = False):
+                      amax_axes=(), return_input: bool = False, splits: int = 1):
     """``LayerNorm(x) @ w`` with the LayerNorm writing FP8 straight away.
 
     Args:
@@ -140,9 +142,12 @@ def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilo
       epsilon: the LayerNorm's.
       return_input: also return x, for a residual branch whose gradient the LayerNorm's
         backward kernel then adds (as `jax_ls2.ops.layer_norm`'s ``return_input``).
+      splits: as for `jax_ls2.fp8.fp8_dot` (the q, k, v blocks of a fused projection,
+        each GEMM writing its own result; then XLA casts the concatenated gradient).
 
     Returns:
-      y: (..., N) in ``dtype`` (and x with ``return_input``).
+      y: (..., N) in ``dtype``, or with ``splits > 1`` a tuple of (..., N / splits);
+      then x with ``return_input``.
 
     Forward: one LayerNorm kernel writes the E4M3 output and its amax; one FP8 GEMM.
     Kept for the backward: x, gamma, the float32 mean and rstd, the FP8 LayerNorm output
@@ -153,15 +158,18 @@ def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilo
     x, w, dm, dtype, axes = _prepare(op, x, w, meta, recipe, dtype, amax_axes)
     _check_ln(op, x, gamma, beta, epsilon)
     x, gamma, beta, w = match_varying(x, gamma, beta, w)
-    out = _ln_dot(recipe, dtype, axes, float(epsilon), jnp.dtype(w.dtype), bool(return_input), x, gamma, beta, w, dm)
-    return out if return_input else out[0]
+    splits = _check_splits(op, splits, w)
+    ys, *rest = _ln_dot(recipe, dtype, axes, float(epsilon), jnp.dtype(w.dtype), bool(return_input), splits,
+                        x, gamma, beta, w, dm)
+    y = ys if splits > 1 else ys[0]
+    return (y, *rest) if return_input else y
 
 
 # ``keep``: x is also returned (for the residual branch); static, so that without it no
 # zero cotangent of x reaches the LayerNorm backward kernel.
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm):
-    return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm):
+    return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm)[0]
 
 
 def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
@@ -171,20 +179,19 @@ def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
     return hq, _observed(amax_h, dm.scale, axes), mean, rstd
 
 
-def _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, x, gamma, beta, w, dm):
+def _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm):
     x, gamma, beta, w, dm = _first_order_only((x, gamma, beta, w, dm))
     hq, amax_h, mean, rstd = _ln_fp8(x, gamma, beta, dm, recipe, axes, eps)
     wq, amax_w = _weight(w, dm, recipe, axes)
-    y = _scaled_dot(_rows(hq), wq, ((1,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype)
-    y = y.reshape(*x.shape[:-1], w.shape[1])
-    return (y, x) if keep else (y,), (x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w)
+    ys = _split_gemms(_rows(hq), wq, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype, x.shape[:-1])
+    return (ys, x) if keep else (ys,), (x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w)
 
 
-def _ln_dot_bwd(recipe, dtype, axes, eps, w_dtype, keep, res, cts):
+def _ln_dot_bwd(recipe, dtype, axes, eps, w_dtype, keep, splits, res, cts):
     cts, res = _first_order_only((cts, res))
     x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w = res
-    dy, dx_other = cts if keep else (cts[0], None)
-    gq, gq_t, amax_g = _grad_cast(dy, dm, recipe, axes)
+    dys, dx_other = cts if keep else (cts[0], None)
+    gq, gq_t, amax_g = _grad_cast(_joined(dys), dm, recipe, axes, fused_cast=splits == 1)
     dh, dw = _backward_gemms(gq, gq_t, _rows(hq), None, wq, dm, x.dtype, w_dtype)
     dx, dgamma, dbeta = _ln_backward(dh.reshape(x.shape), dx_other, x, gamma, mean, rstd)
     d_meta = DotMeta.observation(jnp.stack([amax_h, amax_w, amax_g], axis=-1), dm)

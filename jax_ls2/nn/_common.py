@@ -64,14 +64,15 @@ def promoted_dtype(dtype, *arrays):
 class FP8Gemm:
     """One weight GEMM's FP8 setting: its meta (an `FP8DotMeta`), the recipe and the mesh
     axes of the amax reduction. ``gemm(x, kernel, dtype)``: ``x @ kernel`` through
-    `jax_ls2.fp8.fp8_dot`, x: (..., K), kernel: (K, N) -> (..., N) in the promoted dtype."""
+    `jax_ls2.fp8.fp8_dot`, x: (..., K), kernel: (K, N) -> (..., N) in the promoted dtype;
+    ``splits=k``: a tuple of k GEMM results over kernel's column blocks (see fp8_dot)."""
 
     def __init__(self, meta, recipe, amax_axes=()):
         self.meta, self.recipe, self.amax_axes = meta, recipe, amax_axes
 
-    def __call__(self, x, kernel, dtype):
+    def __call__(self, x, kernel, dtype, splits: int = 1):
         return fp8_dot(x, kernel, self.meta, self.recipe, dtype=promoted_dtype(dtype, x, kernel),
-                       amax_axes=self.amax_axes)
+                       amax_axes=self.amax_axes, splits=splits)
 
 
 def check_fp8(owner: str, recipe, amax_axes, dims: dict) -> tuple:

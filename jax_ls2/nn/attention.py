@@ -108,8 +108,8 @@ class MultiHeadAttention(nnx.Module):
     ``out`` (hidden, hidden). All ``nnx.Linear`` with biases.
 
     With ``fp8`` (a `jax_ls2.fp8.DelayedScaling`) each projection GEMM runs through
-    `jax_ls2.fp8.fp8_dot` with its own meta: ``qkv_fp8`` (one `FP8DotMeta`: q, k and v
-    are one GEMM on the whole ``qkv`` kernel, so their input is quantized once) or
+    `jax_ls2.fp8.fp8_dot` with its own meta: ``qkv_fp8`` (one `FP8DotMeta` for q, k and
+    v: their input and the ``qkv`` kernel are quantized once, ``fp8_dot(splits=3)``) or
     ``q_fp8`` and ``kv_fp8``, and ``out_fp8``; their ``FP8Meta`` variables sit beside
     the params, which stay those of the bf16 module. Attention itself stays in the
     compute dtype.
@@ -176,9 +176,13 @@ class MultiHeadAttention(nnx.Module):
         y, b = matmul(memory, self.kv, self.dtype, self._fp8_gemm("kv"))
         return y + b
 
-    def _parts(self, y, parts):
-        """(..., parts * hidden) -> `parts` arrays (..., heads, head_dim)."""
-        return [t[..., 0, :, :] for t in self._split(y, parts)]
+    def add_bias_parts(self, ys, bias):
+        """The column blocks ``ys`` (each (..., hidden)) of a projection plus the matching
+        blocks of its ``bias`` ((len(ys) * hidden,)), as (..., heads, head_dim) arrays."""
+        h = self.hidden_size
+        bias = bias.astype(ys[0].dtype)
+        return [(y + bias[i * h:(i + 1) * h]).reshape(*y.shape[:-1], self.num_heads, self.head_dim)
+                for i, y in enumerate(ys)]
 
     def _split(self, y, parts):
         return jnp.split(y.reshape(*y.shape[:-1], parts, self.num_heads, self.head_dim), parts,
@@ -194,11 +198,12 @@ class MultiHeadAttention(nnx.Module):
         kernel, bias = linear.kernel[...], linear.bias[...]
         h = self.hidden_size
         if self.fp8 is not None:
-            # One FP8 GEMM on the whole kernel: its input is quantized once (not once per
-            # part), and in the backward the parts' gradients are concatenated by the pass
-            # that quantizes them anyway. xs[1:] are copies of xs[0].
-            y, b = matmul(xs[0], linear, self.dtype, self._fp8_gemm("qkv"))
-            return self._parts(y + b, parts)
+            # The input and the kernel quantized once (not once per part), one GEMM per
+            # part writing its own result; in the backward one dgrad and one wgrad GEMM
+            # on the parts' gradients, concatenated by the pass that quantizes them.
+            # xs[1:] are copies of xs[0].
+            ys = self._fp8_gemm("qkv")(xs[0], kernel, self.dtype, splits=parts)
+            return self.add_bias_parts(ys, bias)
         *xs, kernel, bias = dtypes.promote_dtype((*xs, kernel, bias), dtype=self.dtype)
         return [(jnp.dot(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h]).reshape(
             *x.shape[:-1], self.num_heads, self.head_dim) for i, x in enumerate(xs)]
@@ -221,9 +226,9 @@ class MultiHeadAttention(nnx.Module):
         ``LayerNorm(..., copies=3)``, whose backward then sums their gradients).
         memory: (batch, k_len, hidden) for cross-attention, or kv: its precomputed
         ``memory @ kv.kernel + kv.bias`` (batch, k_len, 2*hidden).
-        qkv: self-attention only, the precomputed ``x @ qkv.kernel + qkv.bias`` (batch,
-        q_len, 3*hidden) (say from `jax_ls2.fp8.fused.layernorm_fp8_dot`); x then only
-        gives the shapes.
+        qkv: self-attention only, the precomputed projections (q, k, v), each (batch,
+        q_len, heads, head_dim) (say from `jax_ls2.fp8.fused.layernorm_fp8_dot` and
+        `add_bias_parts`); x then only gives the shapes.
         """
         xs = tuple(x) if isinstance(x, (tuple, list)) else None
         if xs is not None:
@@ -239,11 +244,12 @@ class MultiHeadAttention(nnx.Module):
             x = xs[0]
         check_hidden("MultiHeadAttention", x, self.hidden_size)
         if qkv is not None:
-            if not self.self_attention or qkv.shape != (*x.shape[:-1], 3 * self.hidden_size):
-                raise ValueError(f"MultiHeadAttention: qkv must be self-attention's projection of shape "
-                                 f"{(*x.shape[:-1], 3 * self.hidden_size)}, got {tuple(qkv.shape)}"
+            shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+            if not self.self_attention or len(qkv) != 3 or any(tuple(t.shape) != shape for t in qkv):
+                raise ValueError(f"MultiHeadAttention: qkv must be self-attention's (q, k, v), each of shape "
+                                 f"{shape}, got {[tuple(t.shape) for t in qkv]}"
                                  + ("" if self.self_attention else " for cross-attention"))
-            q, k, v = self._parts(qkv, 3)
+            q, k, v = qkv
         elif self.self_attention:
             q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:

@@ -220,11 +220,10 @@ class _Block(nnx.Module):
         def fused(x):
             h, (gamma, beta) = self._ln_input(self.attn_ln, x)
             kernel, bias = mha.qkv.kernel[...], mha.qkv.bias[...]
-            y, x_res = layernorm_fp8_dot(h, gamma, beta, kernel, mha.qkv_fp8, c.fp8, epsilon=self.attn_ln.epsilon,
-                                         dtype=promoted_dtype(self.dtype, h, kernel), amax_axes=c.fp8_amax_axes,
-                                         return_input=True)
-            qkv = y + bias.astype(promoted_dtype(self.dtype, h, kernel, bias))
-            ctx = mha.context(h, qkv=qkv, key=key, deterministic=det, **kw)
+            ys, x_res = layernorm_fp8_dot(h, gamma, beta, kernel, mha.qkv_fp8, c.fp8, epsilon=self.attn_ln.epsilon,
+                                          dtype=promoted_dtype(self.dtype, h, kernel), amax_axes=c.fp8_amax_axes,
+                                          return_input=True, splits=3)
+            ctx = mha.context(h, qkv=mha.add_bias_parts(ys, bias), key=key, deterministic=det, **kw)
             out, b = matmul(ctx, mha.out, self.dtype, mha._fp8_gemm("out"))
             return out, b, x_res
         return fused
