@@ -36,7 +36,8 @@ constexpr int kWarpRows = 16;  // rows of one m16n8k16 tile, per warp
 
 // Tile shapes: query rows per CTA and key rows per loop step. The forward's warps
 // take kMT row tiles of 16 each, so every K and V fragment read from shared memory
-// feeds kMT products.
+// feeds kMT products. (kBK = 64 at head_dim 128 spills about 100 bytes a thread: the
+// output accumulators alone take 128 registers.)
 template <int D>
 struct FwdTile {
   static constexpr int kWarps = 4, kMT = 2, kBQ = kWarps * kMT * kWarpRows, kBK = D == 128 ? 32 : 64;
@@ -759,6 +760,7 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
 
   const float scale2 = p.scale * kLog2e;
   const int key[2] = {n0 + warp * kWarpRows + g, n0 + warp * kWarpRows + g + 8};
+  static_assert(BQ / 8 * 4 <= 32, "keep flags of a step fit in 32 bits");
   float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -810,14 +812,54 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
       j = key[e >> 1];
       q_seg = kSeg ? QSeg(p, ctx, i) : 0;
     });
+    // Keep flags, bit 4 n + e (all set without dropout, where keep_scale is 1).
+    uint32_t keep = 0xffffffffu;
+    if (p.threshold) {
+      keep = 0u;
+      const uint32_t thr16 = p.threshold << 16;
+      // With kv_total and kv_offset even, every row's numbering is even at even keys (n0
+      // is even), so adjacent keys pair.
+      if (p.drop_kv_total % 2 == 0 && ctx.kv_offset % 2 == 0) {
+        // Keys j and j ^ 1 (lanes g and g ^ 1, i.e. lane ^ 4) share a hash: this lane
+        // hashes its two key pairs for one of its two queries (slot g & 1), and takes the
+        // other query's hashes from its neighbour.
+        const int own = g & 1;
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+          const DropRow& d = sDrop[buf * BQ + n * 8 + 2 * t4 + own];
+          uint32_t hash[2], other[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int j = key[r] & ~1;
+            const int w = j >= d.wrap;
+            hash[r] = DropoutHashFolded(d.lo0 + (uint32_t)j, ctx.k0, d.k1f[w]) ^ d.c[w];
+            other[r] = __shfl_xor_sync(0xffffffffu, hash[r], 4);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t hv = (e & 1) == own ? hash[e >> 1] : other[e >> 1];
+            const bool kept = own ? KeepHigh(hv, thr16) : KeepLow(hv, thr16);
+            keep |= (uint32_t)kept << (4 * n + e);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = n * 8 + 2 * t4 + (e & 1);
+            keep |= (uint32_t)DropKeep(sDrop[buf * BQ + c], ctx.k0, thr16, key[e >> 1]) << (4 * n + e);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int c = n * 8 + 2 * t4 + (e & 1), j = key[e >> 1];
+        const int c = n * 8 + 2 * t4 + (e & 1);
         const float pr = Exp2Approx(fmaf(st[n][e], mul, -cL[c]));
-        float z = 1.f;
-        if (p.threshold) z = DropKeep(sDrop[buf * BQ + c], ctx.k0, p.threshold << 16, j) ? p.keep_scale : 0.f;
+        const float z = (keep >> (4 * n + e)) & 1u ? p.keep_scale : 0.f;
         st[n][e] = pr * z;                        // (P z)^T, for dv
         dpt[n][e] = pr * (dpt[n][e] * z - cD[c]);  // dS^T, for dk
       }
