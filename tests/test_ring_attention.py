@@ -191,8 +191,9 @@ def test_overlap_report_on_cpu_counts_the_sync_permutes(mesh, data):
 
 
 # ---------------------------------------------------------------- emulated ring (vmap)
-def test_ring_under_vmap_emulates_the_devices(data):
-    """The ring over the vmapped axis (the benchmark's one-device emulation): rsa with
+@pytest.mark.parametrize("impl", ra.IMPLS)
+def test_ring_under_vmap_emulates_the_devices(data, impl):
+    """The ring over the vmapped axis (the benchmark's one-device emulation): with
     dropout, zigzag, causal, against single-device attention."""
     q, k, v, pm, cot, key = data
     split = lambda x: _layout("zigzag", x).reshape(x.shape[0], RING, CHUNK, *x.shape[2:]).swapaxes(0, 1)
@@ -200,7 +201,7 @@ def test_ring_under_vmap_emulates_the_devices(data):
 
     def attend(q, k, v, pm, key):
         fn = lambda q, k, v, pm: ra.ring_attention(q, k, v, axis_name="ring", causal=True, padding_mask=pm,
-                                                   rate=RATE, key=key, impl="rsa")
+                                                   rate=RATE, key=key, impl=impl)
         return join(jax.vmap(fn, axis_name="ring")(split(q), split(k), split(v), split(pm)))
 
     got = jax.jit(functools.partial(_with_vjp, attend))(q, k, v, pm, key, cot)
