@@ -253,9 +253,12 @@ def _check_fp8_mlp_within_2x(activation):
     cpu = jax.devices("cpu")[0]
 
     def reference(dtype, quantized):
+        # On the CPU, with every array it reads (the GPU run computes only the fused op there).
+        m1_cpu, m2_cpu, c_cpu = jax.device_put((m1, m2, c), cpu)
+
         def f(*a):
-            return jnp.sum(_mlp_reference(*a, m1, m2, activation, quantized) * c.astype(dtype)), \
-                _mlp_reference(*a, m1, m2, activation, quantized)
+            y = _mlp_reference(*a, m1_cpu, m2_cpu, activation, quantized)
+            return jnp.sum(y * c_cpu.astype(dtype)), y
         a = jax.device_put([t.astype(dtype) for t in args], cpu)
         return jax.grad(f, argnums=tuple(range(6)), has_aux=True)(*a)
     with jax.enable_x64(True):
