@@ -96,7 +96,7 @@ def test_fp8_config_reaches_the_layers_and_not_the_plain_twin():
     for family in fm.FAMILIES:
         cfg = fm.get_config(family, fp8=recipe)
         model = fm.build(cfg, impl="ls2")
-        per_layer = 7 if family == "transformer" else 4  # q|k|v is one GEMM
+        per_layer = 7 if family == "transformer" else 4  # q, k and v share one meta
         encoder_layers = cfg.num_layers if family == "transformer" else 0
         assert fp8.count_metas(model) == per_layer * cfg.num_layers + 4 * encoder_layers, family
         with pytest.raises(ValueError, match="build: cfg.fp8 needs impl='ls2'"):

@@ -49,7 +49,7 @@ optionally after a LayerNorm) take the same metas and recipe, with every activat
 quantized once by the kernel that produces it (`jax_ls2.fp8.fused`).
 
 Layers: ``fp8=DelayedScaling(...)`` on `jax_ls2.nn`'s Transformer layers and stacks
-puts every weight GEMM through FP8, one `FP8DotMeta` per GEMM (q|k|v is one GEMM):
+puts every weight GEMM through FP8, one `FP8DotMeta` per weight (q, k and v share one):
 pre-LN LayerNorms fused into the q|k|v and fc1 GEMMs, the FFN as one `fp8_mlp` where
 no activation dropout is active, `fp8_dot` elsewhere.
 

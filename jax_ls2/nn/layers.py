@@ -4,7 +4,7 @@ Parameter trees match the plain-Flax twins in ``flax_models.plain`` leaf for lea
 ``attn_ln``/``ffn_ln`` (and ``cross_ln``) are LayerNorms with ``scale``/``bias``,
 ``attn``/``cross_attn`` are `MultiHeadAttention`, ``fc1``/``fc2`` are ``nnx.Linear``.
 With ``fp8`` set, the FP8 metas (``FP8Meta`` variables, not params) sit beside them:
-``attn.qkv_fp8`` (one GEMM for q, k and v), ``attn.out_fp8``, ``cross_attn.q_fp8``, ``cross_attn.kv_fp8``,
+``attn.qkv_fp8`` (one meta for q, k and v), ``attn.out_fp8``, ``cross_attn.q_fp8``, ``cross_attn.kv_fp8``,
 ``cross_attn.out_fp8``, ``fc1_fp8``, ``fc2_fp8``.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ class _Block(nnx.Module):
     @property
     def _qkv_uses(self) -> int:
         """Copies of the pre-LN LayerNorm output the self-attention projections take: one
-        per q, k, v GEMM in bf16, one for the single FP8 q|k|v GEMM."""
+        per q, k, v GEMM in bf16, one for FP8 (quantized once for the three GEMMs)."""
         return 3 if self.config.fp8 is None else 1
 
     def _fc_gemm(self, name: str):
@@ -211,7 +211,7 @@ class _Block(nnx.Module):
         return lambda x: self._fp8_mlp(x, ln=self.ffn_ln)
 
     def _attn_fused(self, mha, det, key, **kw):
-        """Pre-LN FP8 self-attention: the LayerNorm writes FP8 for the q|k|v GEMM (one op),
+        """Pre-LN FP8 self-attention: the LayerNorm writes FP8 for the q, k, v GEMMs (one op),
         then attention and the output GEMM (see `_residual`)."""
         c = self.config
         if c.fp8 is None or not self.pre_layer_norm:
@@ -252,10 +252,12 @@ _DOC_ARGS = """
         ``attn_dropout``, ``activation_dropout``, ``hidden_dropout``, ``epsilon``,
         ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``, ``fp8``,
         ``fp8_amax_axes``); with a `LayerConfig`, they override its fields.
-      fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q|k|v as
-        one, attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
-        through `jax_ls2.fp8.fp8_dot`, one meta per GEMM (``FP8Meta`` variables, not
-        params: the parameter tree is the bf16 layer's); attention and biases stay in
+      fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q, k, v,
+        attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
+        through `jax_ls2.fp8` (`fp8_dot`; pre-LN LayerNorms fused into the q, k, v and fc1
+        GEMMs, the FFN one `fp8_mlp` without activation dropout), one meta per weight
+        (q, k and v share the qkv kernel's; ``FP8Meta`` variables, not params: the
+        parameter tree is the bf16 layer's); attention and biases stay in
         ``dtype``. Train with the meta updated every step: differentiate with
         ``nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))`` and pass the gradients to
         ``jax_ls2.optim.update_nnx(..., fp8=recipe)`` or `jax_ls2.fp8.apply_meta_updates`.

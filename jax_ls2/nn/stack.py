@@ -87,7 +87,7 @@ def _copies_for_next(layers, i) -> int:
     kernel sums; one where the next layer runs in FP8."""
     if i + 1 == len(layers) or layers[i].pre_layer_norm or layers[i + 1].pre_layer_norm:
         return 1
-    # An FP8 layer's q|k|v GEMM takes one input: a pair would suit it, one copy is close.
+    # An FP8 layer's q, k, v GEMMs share one input: a pair would suit it, one copy is close.
     return 1 if layers[i + 1].config.fp8 is not None else 4
 
 
