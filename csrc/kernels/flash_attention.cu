@@ -228,19 +228,43 @@ __device__ __forceinline__ bool DropKeep(const DropRow& d, uint32_t k0, uint32_t
   const uint32_t h = DropoutHashFolded(lo & ~1u, k0, d.k1f[s]) ^ d.c[s];
   return (lo & 1u) ? KeepHigh(h, thr16) : KeepLow(h, thr16);
 }
-// Keep flags of keys j, j + 1 (j even) of a row: one hash when the row's numbering is
-// even (lo0 + j even: the pair shares a hash and a high word).
-__device__ __forceinline__ void DropKeepPair(const DropRow& d, uint32_t k0, uint32_t thr16, int j, bool& keep0,
-                                             bool& keep1) {
-  if ((d.lo0 & 1u) == 0u) {
-    const int s = j >= d.wrap;
-    const uint32_t h = DropoutHashFolded(d.lo0 + (uint32_t)j, k0, d.k1f[s]) ^ d.c[s];
-    keep0 = KeepLow(h, thr16);
-    keep1 = KeepHigh(h, thr16);
+// Keep flags of the accumulator elements of NB n8 tiles whose rows (queries) are rows[e >> 1]
+// and keys j0 + 8 n + (e & 1) (j0 even): bit 4 n + e. `pairs`: every row's numbering is
+// even at even keys (kv_total and kv_offset even), so keys j, j + 1 share one hash (and a
+// high word); else one hash per element. Either way one uniform branch per tile.
+template <int NB>
+__device__ __forceinline__ uint32_t KeepAlongKeys(const DropRow* const (&rows)[2], uint32_t k0, uint32_t thr16, int j0,
+                                                  bool pairs) {
+  static_assert(NB * 4 <= 32, "one bit per element");
+  uint32_t keep = 0u;
+  if (pairs) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const DropRow& d = *rows[r];
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+        const int j = j0 + 8 * n;
+        const int w = j >= d.wrap;
+        const uint32_t h = DropoutHashFolded(d.lo0 + (uint32_t)j, k0, w ? d.k1f[1] : d.k1f[0]) ^ (w ? d.c[1] : d.c[0]);
+        keep |= ((uint32_t)KeepLow(h, thr16) | (uint32_t)KeepHigh(h, thr16) << 1) << (4 * n + 2 * r);
+      }
+    }
   } else {
-    keep0 = DropKeep(d, k0, thr16, j);
-    keep1 = DropKeep(d, k0, thr16, j + 1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) keep |= (uint32_t)DropKeep(*rows[r], k0, thr16, j0 + 8 * n + e) << (4 * n + 2 * r + e);
+      }
+    }
   }
+  return keep;
+}
+
+// Whether every row's dropout numbering is even at even keys.
+__device__ __forceinline__ bool PairsAlongKeys(const FlashAttentionProblem& p, const RowCtx& c) {
+  return p.drop_kv_total % 2 == 0 && c.kv_offset % 2 == 0;
 }
 
 // Whether query i attends key j as far as bounds and causality go.
@@ -457,18 +481,14 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
         }
       }
       if (p.threshold) {
-        const uint32_t thr16 = p.threshold << 16;
+        const DropRow* const rows[2] = {sDrop + (row[mt][0] - q0), sDrop + (row[mt][1] - q0)};
+        const uint32_t keep =
+            KeepAlongKeys<BK / 8>(rows, ctx.k0, p.threshold << 16, n0 + 2 * t4, PairsAlongKeys(p, ctx));
+        // keep_scale is applied with 1 / l at the end.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const DropRow& d = sDrop[row[mt][r] - q0];
+        for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
-          for (int n = 0; n < BK / 8; ++n) {
-            bool keep0, keep1;
-            DropKeepPair(d, ctx.k0, thr16, n0 + n * 8 + 2 * t4, keep0, keep1);
-            // keep_scale is applied with 1 / l at the end.
-            s[mt][n][2 * r] = keep0 ? s[mt][n][2 * r] : 0.f;
-            s[mt][n][2 * r + 1] = keep1 ? s[mt][n][2 * r + 1] : 0.f;
-          }
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = (keep >> (4 * n + e)) & 1u ? s[mt][n][e] : 0.f;
         }
       }
     }
@@ -649,18 +669,19 @@ __global__ void __launch_bounds__(DqTile<D>::kWarps * 32) FlashDqKernel(FlashAtt
       j = n0 + n * 8 + 2 * t4 + (e & 1);
       q_seg = qs[e >> 1];
     });
+    // Keep flags, bit 4 n + e (all set without dropout, where keep_scale is 1).
+    uint32_t keep = 0xffffffffu;
+    if (p.threshold) {
+      const DropRow* const rows[2] = {sDrop + (row[0] - q0), sDrop + (row[1] - q0)};
+      keep = KeepAlongKeys<BK / 8>(rows, ctx.k0, p.threshold << 16, n0 + 2 * t4, PairsAlongKeys(p, ctx));
+    }
 #pragma unroll
     for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = row[r], j = n0 + n * 8 + 2 * t4;
-        float z0 = 1.f, z1 = 1.f;
-        if (p.threshold) {
-          bool keep0, keep1;
-          DropKeepPair(sDrop[i - q0], ctx.k0, p.threshold << 16, j, keep0, keep1);
-          z0 = keep0 ? p.keep_scale : 0.f;
-          z1 = keep1 ? p.keep_scale : 0.f;
-        }
+        const float z0 = (keep >> (4 * n + 2 * r)) & 1u ? p.keep_scale : 0.f;
+        const float z1 = (keep >> (4 * n + 2 * r + 1)) & 1u ? p.keep_scale : 0.f;
         const float p0 = Exp2Approx(fmaf(s[n][2 * r], mul, -lse2[r]));
         const float p1 = Exp2Approx(fmaf(s[n][2 * r + 1], mul, -lse2[r]));
         const float ds0 = p0 * (dp[n][2 * r] * z0 - delta[r]);
@@ -817,9 +838,8 @@ __global__ void __launch_bounds__(DkvTile<D>::kWarps * 32) FlashDkvKernel(FlashA
     if (p.threshold) {
       keep = 0u;
       const uint32_t thr16 = p.threshold << 16;
-      // With kv_total and kv_offset even, every row's numbering is even at even keys (n0
-      // is even), so adjacent keys pair.
-      if (p.drop_kv_total % 2 == 0 && ctx.kv_offset % 2 == 0) {
+      // Adjacent keys pair (n0 is even).
+      if (PairsAlongKeys(p, ctx)) {
         // Keys j and j ^ 1 (lanes g and g ^ 1, i.e. lane ^ 4) share a hash: this lane
         // hashes its two key pairs for one of its two queries (slot g & 1), and takes the
         // other query's hashes from its neighbour.
