@@ -118,15 +118,22 @@ __device__ __forceinline__ int Swz(int r, int c) {
 }
 
 // ROWS x D tile from global rows g + r * stride (r < valid rows), rows past them zeroed.
-// `safe` is any valid global address (the source operand of a zero-fill).
+// `safe` is any valid global address (the source operand of a zero-fill). Thread t
+// copies chunk t % (D / 8) of rows t / (D / 8) + k * kRowStep: a fixed column, so the
+// addresses of its copies are one base plus multiples of a step (kRowStep is a multiple
+// of 8, so the swizzle's row term is the same for all of them).
 template <typename T, int ROWS, int D, int NT>
 __device__ __forceinline__ void LoadTile(T* tile, const T* g, int64_t stride, int valid, const T* safe) {
-  constexpr int kChunks = D / 8;
+  constexpr int kChunks = D / 8, kRowStep = NT / kChunks;
+  static_assert(NT % kChunks == 0 && (ROWS * kChunks) % NT == 0, "whole rows per pass");
+  const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  const T* src = g + r0 * stride + c * 8;
+  const int64_t step = kRowStep * stride;
 #pragma unroll
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += NT) {
-    const int r = idx / kChunks, c = idx % kChunks;
+  for (int k = 0; k < ROWS * kChunks / NT; ++k) {
+    const int r = r0 + k * kRowStep;
     const bool ok = r < valid;
-    CpAsync16(SmemAddr(tile + Swz<D>(r, c)), ok ? g + r * stride + c * 8 : safe, ok);
+    CpAsync16(SmemAddr(tile + Swz<D>(r, c)), ok ? src + k * step : safe, ok);
   }
 }
 
