@@ -22,6 +22,11 @@
 // by the row index (chunk c of row r lives at c ^ (r & 7)), so the 8 row addresses of
 // an ldmatrix hit 8 different bank groups; head_dim must be a multiple of 64.
 // Rows past q_len / kv_len are zero-filled by cp.async and masked to -inf.
+//
+// Each kernel is compiled per (kBias, kSeg), so the per-element work between the MMAs
+// is branch-free (see ToLogits); bounds and causal masking run only in the tiles that
+// cross them, and dropout draws a tile's keep flags into a bit mask behind one branch,
+// one hash per pair of adjacent keys where the numbering allows (KeepAlongKeys).
 #include <cfloat>
 #include <type_traits>
 
