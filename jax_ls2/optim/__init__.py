@@ -18,7 +18,10 @@ the flat buffer; `moments(state, params)` gives params-shaped views (copies).
 that derives state shardings from the params' (``transform_non_params`` for the rest)
 gives the flat buffers its non-params sharding, replicated for instance.
 Parameters sharded over explicit mesh axes (``AxisType.Explicit``) are refused with a
-message; Auto meshes and ``shard_map`` work.
+message; Auto meshes and ``shard_map`` work. `shard_optimizer` updates params sharded
+over a mesh where they lie (per-device flat buffers, nothing gathered to form them) and
+optionally splits the state over the data axis (ZeRO-1); `gather_state` /
+`scatter_state` move such a state to and from the standard layout.
 
 The kernel takes float32, float16 and bfloat16 leaves. A params tree holding any
 float64 (under x64), complex, integer or bool leaf is updated as a whole by optax's
@@ -29,16 +32,18 @@ stochastic rounding. Other dtypes (float8, ...) raise a TypeError.
 Values that cannot work raise a ValueError at construction (a non-finite or negative
 learning rate or weight decay, loss-scaling parameters such as a growth factor <= 1);
 a traced learning rate or weight decay (a schedule, ``inject_hyperparams``) that is
-negative or not finite raises when the step runs, naming the step.
+negative or not finite is taken as 0 in that step (the params keep their values) and
+the state's ``finite`` flag reads False: checked on the device, with no host round trip.
 """
 from jax_ls2.optim._options import PrecisionOptions
 from jax_ls2.optim._transformation import FlatGrads, FusedGradientTransformation, FusedState
 from jax_ls2.optim.accumulation import accumulate, init_accumulator, unflatten_grads
 from jax_ls2.optim.apply import apply_updates, update_nnx
 from jax_ls2.optim.loss_scaling import find_state, loss_scale, scale_loss
+from jax_ls2.optim.sharded import gather_state, scatter_state, shard_optimizer
 from jax_ls2.optim.state_views import MomentsView, moments
 from jax_ls2.optim.transforms import adam, adamw, sgd
 
 __all__ = ["adam", "adamw", "sgd", "apply_updates", "update_nnx", "accumulate", "init_accumulator", "unflatten_grads",
            "scale_loss", "loss_scale", "find_state", "FusedState", "FlatGrads", "FusedGradientTransformation",
-           "PrecisionOptions", "moments", "MomentsView"]
+           "PrecisionOptions", "moments", "MomentsView", "shard_optimizer", "gather_state", "scatter_state"]

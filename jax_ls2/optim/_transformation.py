@@ -10,7 +10,6 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jax_ls2.optim import _abi as A
@@ -34,9 +33,12 @@ class FusedState(NamedTuple):
     good_steps:  () int32, finite steps since the loss scale last changed.
     grad_norm:   () float32, global norm of the unscaled gradients at the last step
                  (0 unless clipping or the finite check is on).
-    finite:      () bool, whether the last step's gradients were all finite. Always
+    finite:      () bool, whether the last step's gradients were all finite and its
+                 traced learning rate and weight decay finite and >= 0. Always
                  computed (without ``skip_nonfinite`` / dynamic loss scaling a step
-                 with inf/NaN gradients is applied, and this flag is how it is seen).
+                 with inf/NaN gradients is applied, and this flag is how it is seen;
+                 a step with a bad traced rate takes the rates as 0, so the params
+                 keep their values while the moments advance).
     """
     count: jax.Array
     mu: Optional[jax.Array]
@@ -97,7 +99,7 @@ def _check(cfg: Config) -> None:
     cfg.options.check(fn)
     if cfg.mask is not None and cfg.weight_decay is None:
         raise ValueError(f"{fn}: mask given without weight_decay")
-    # Numbers known now; traced values are checked when the step runs (`_guard_traced`).
+    # Numbers known now; traced values are checked in the step (`_traced_rates_ok`).
     for argument in ("learning_rate", "weight_decay"):
         require(fn, argument, getattr(cfg, argument), NON_NEGATIVE, _non_negative)
 
@@ -109,32 +111,19 @@ def _non_negative(v: float) -> bool:
     return math.isfinite(v) and v >= 0
 
 
-def _raise_if_bad(fn: str, argument: str, dtype, value, count) -> None:
-    """Host side of the run-time check (checks again: under ``vmap`` the cond becomes a
-    select and this runs for good values too). `value` is shown in its traced `dtype`."""
-    v = np.asarray(value).astype(dtype)
-    if not np.all(np.isfinite(v) & (v >= 0)):
-        raise ValueError(f"{fn}: {argument} must be {NON_NEGATIVE}, got {v!s} at step {np.asarray(count)!s}")
-
-
-def _guard_traced(cfg: Config, lr, count_inc) -> None:
-    """A traced learning rate (a schedule's value, ``inject_hyperparams``) or weight
-    decay that is negative or not finite raises a ValueError when the step runs,
-    naming the optimizer, the step and the value. The check is a ``lax.cond`` on the
-    scalar whose branch holds the callback: Python runs only for a bad value. An
-    unconditional ``jax.debug.callback`` would copy the scalar to the host and take the
-    GIL at every step, stalling the GPU stream each time; a value known now was
-    checked by `_check` and adds nothing to the program. JAX lowers host callbacks
-    only for the backend in use, so a step with a traced rate cannot be cross-lowered
-    for CUDA on a CPU-only host (``lowering_platforms=("cuda",)``); a constant one can."""
+def _traced_rates_ok(cfg: Config, lr):
+    """() bool on the device: whether this step's traced learning rate (a schedule's
+    value, ``inject_hyperparams``) and weight decay are finite and >= 0; None when both
+    are numbers known now (`_check` checked them). No host callback and no conditional:
+    the step goes on without stalling the stream, and `step` takes both rates as 0 and
+    reports ``finite=False`` when they are bad."""
+    oks = []
     for argument, value in (("learning_rate", lr), ("weight_decay", cfg.weight_decay)):
         if value is None or not callable(getattr(cfg, argument)) and concrete_number(value) is not None:
             continue
         v = jnp.asarray(value)
-        bad = ~(jnp.isfinite(v) & (v >= 0))
-        callback = functools.partial(_raise_if_bad, cfg.name, argument, v.dtype)
-        jax.lax.cond(jnp.any(bad), lambda v, c: jax.debug.callback(callback, v, c), lambda v, c: None,
-                     v, count_inc)
+        oks.append(jnp.all(jnp.isfinite(v) & (v >= 0)))
+    return functools.reduce(jnp.logical_and, oks) if oks else None
 
 
 def _flags(cfg: Config, *, apply: bool, flat: bool) -> int:
@@ -315,7 +304,11 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     moments = _state_moments(cfg, state, treedef, layout, per_leaf)
     count_inc = optax.safe_increment(state.count)
     lr = _learning_rate(cfg, state)
-    _guard_traced(cfg, lr, count_inc)
+    rates_ok = _traced_rates_ok(cfg, lr)
+    if rates_ok is not None:
+        lr = jnp.where(rates_ok, lr, 0)
+        if cfg.weight_decay is not None:
+            cfg = cfg._replace(weight_decay=jnp.where(rates_ok, cfg.weight_decay, 0))
     decay = _decay_mask(cfg, params, len(p_leaves))
     flags = _flags(cfg, apply=apply, flat=flat)
     checked = bool(flags & A.CHECK)
@@ -339,7 +332,7 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     new_state = FusedState(
         count=jnp.where(finite, count_inc, state.count) if checked else count_inc,
         mu=mu, nu=nu, master=master, rng=state.rng, loss_scale=scale, good_steps=good,
-        grad_norm=grad_norm, finite=finite)
+        grad_norm=grad_norm, finite=finite if rates_ok is None else finite & rates_ok)
     return jax.tree.unflatten(treedef, outs), new_state
 
 
