@@ -4,8 +4,10 @@ from flax_models.plain.embedding import CrossEntropyCriterion, Embedding
 from flax_models.plain.layers import (BACKENDS, Dropout, LayerNorm, MultiHeadAttention,
                                       TransformerDecoderLayer, TransformerEncoderLayer,
                                       TransformerLayer)
+from flax_models.plain.llama import DecoderLayer, RMSNorm
 from flax_models.plain.stack import TransformerDecoder, TransformerEncoder
 
 __all__ = ["BACKENDS", "CrossEntropyCriterion", "Dropout", "Embedding", "LayerNorm",
            "MultiHeadAttention", "TransformerDecoder", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerEncoderLayer", "TransformerLayer"]
+__all__ += ["DecoderLayer", "RMSNorm"]

@@ -11,8 +11,12 @@ from jax_ls2.nn.embedding import Embedding
 from jax_ls2.nn.layers import (Dropout, LayerNorm, TransformerDecoderLayer,
                                TransformerEncoderLayer, TransformerLayer)
 from jax_ls2.nn.stack import TransformerDecoder, TransformerEncoder
+from jax_ls2.nn.decoder import DecoderLayer
+from jax_ls2.nn.kv_cache import KVCache
+from jax_ls2.nn.rms_norm import RMSNorm
 
 __all__ = ["BACKENDS", "CrossEntropyCriterion", "Dropout", "Embedding", "LayerConfig", "LayerNorm",
            "MultiHeadAttention", "TransformerDecoder", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerEncoderLayer", "TransformerLayer",
            "attention_core", "select_backend"]
+__all__ += ["DecoderLayer", "KVCache", "RMSNorm"]

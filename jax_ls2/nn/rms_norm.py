@@ -1,0 +1,45 @@
+"""RMSNorm (LLaMA, Mistral, Gemma) over the fused ``rms_norm`` op."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_ls2.nn._common import check_hidden
+from jax_ls2.ops import rms_norm
+
+# LLaMA's RMSNorm epsilon (Hugging Face's default; LLaMA 2 and 3 checkpoints set 1e-5).
+RMS_EPSILON = 1e-6
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + epsilon) * w``.
+
+    Param ``scale`` (num_features,): ones, or with ``unit_offset`` (Gemma, ``w = 1 +
+    scale``) zeros. x: (..., num_features); statistics and math in float32; the output
+    in ``dtype`` (None: promote x and the param).
+
+    ``__call__(x)`` -> y; ``__call__(x, residual=r)`` -> ``(RMSNorm(x + r), x + r)`` (the
+    sum feeds the next residual branch); ``__call__(x, return_input=True)`` -> ``(y, x)``
+    and ``copies=k`` -> k copies of y: the multi-consumer forms of ``ops.rms_norm``, whose
+    backward kernel adds the consumers' gradients.
+    """
+
+    def __init__(self, num_features: int, *, epsilon: float = RMS_EPSILON, unit_offset: bool = False,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        del rngs
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f"RMSNorm: num_features must be a positive int, got {num_features!r}")
+        self.num_features, self.epsilon, self.unit_offset = num_features, float(epsilon), unit_offset
+        self.dtype = dtype
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = nnx.Param(init((num_features,), param_dtype))
+
+    def __call__(self, x, residual=None, *, return_input: bool = False, copies: int = 1):
+        check_hidden("RMSNorm", x, self.num_features)
+        dtype = self.dtype or dtypes.promote_dtype((x, self.scale[...]), dtype=None)[0].dtype
+        x = x.astype(dtype)
+        if residual is not None:
+            residual = residual.astype(dtype)
+        return rms_norm(x, self.scale[...], eps=self.epsilon, residual=residual, copies=copies,
+                        return_input=return_input, unit_offset=self.unit_offset)
