@@ -22,3 +22,8 @@ from jax_ls2.ops.fp8_cast import (bias_gelu_fp8, cast_transpose, dgelu_cast_tran
 
 __all__ += ["bias_gelu_fp8", "cast_transpose", "dgelu_cast_transpose_dbias", "layer_norm_fp8",
             "layer_norm_fp8_backward"]
+from jax_ls2.ops.gated_act import gated_act_dropout
+from jax_ls2.ops.rms_norm import rms_norm
+from jax_ls2.ops.rotary import RotaryScaling, rotary, rotary_frequencies
+
+__all__ += ["gated_act_dropout", "rms_norm", "rotary", "RotaryScaling", "rotary_frequencies"]
