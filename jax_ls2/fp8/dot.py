@@ -200,9 +200,9 @@ def _amax_vmap(axis_size, in_batched, t, like_scale):
     return jnp.broadcast_to(jnp.max(jnp.abs(t)).astype(jnp.float32), (axis_size,)), True
 
 
-def _reduced_amax(t, like_scale, axes):
-    """amax of t, max-reduced over the mesh axes ``axes`` (inside shard_map)."""
-    amax = _amax(jax.lax.stop_gradient(t), jax.lax.stop_gradient(like_scale))
+def _mesh_max(amax, axes):
+    """amax max-reduced over the mesh axes ``axes`` (inside shard_map), so every replica
+    scales by the same numbers."""
     if not axes:
         return amax
     # pmax takes only axes the value varies over; an amax invariant over some of them
@@ -211,6 +211,30 @@ def _reduced_amax(t, like_scale, axes):
     if invariant:
         amax = jax.lax.pcast(amax, invariant, to="varying")
     return jax.lax.pmax(amax, axes)
+
+
+def _reduced_amax(t, like_scale, axes):
+    """amax of t, max-reduced over the mesh axes ``axes`` (inside shard_map)."""
+    return _mesh_max(_amax(jax.lax.stop_gradient(t), jax.lax.stop_gradient(like_scale)), axes)
+
+
+def _weight(w, dm, recipe, axes):
+    """(w in the forward FP8 dtype with its delayed scale, its observed amax)."""
+    return _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype), _reduced_amax(w, dm.scale, axes)
+
+
+def _backward_gemms(gq, gq_t, hq, hq_t, wq, dm, h_dtype, w_dtype):
+    """dgrad (M, N) x (K, N) -> (M, K) and wgrad (K, N) of one GEMM ``h @ w``.
+
+    The wgrad reads the transposed copies where a kernel wrote them: hq_t (K, M) and
+    gq_t (N, M), K-major as Hopper's FP8 GEMMs take them; XLA transposes hq (M, K) or
+    gq (M, N) where they are None.
+    """
+    dh = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], h_dtype)
+    a, a_dim = (hq, 0) if hq_t is None else (hq_t, 1)
+    b, b_dim = (gq, 0) if gq_t is None else (gq_t, 1)
+    dw = _scaled_dot(a, b, ((a_dim,), (b_dim,)), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
+    return dh, dw
 
 
 @jax.custom_jvp
@@ -232,9 +256,8 @@ def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
 def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
     x, w, dm = _first_order_only((x, w, dm))
     amax_x = _reduced_amax(x, dm.scale, axes)
-    amax_w = _reduced_amax(w, dm.scale, axes)
     xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
-    wq = _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype)
+    wq, amax_w = _weight(w, dm, recipe, axes)
     ys = _split_gemms(_rows(xq), wq, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype, x.shape[:-1])
     return ys, (xq, wq, dm, amax_x, amax_w)
 
@@ -245,9 +268,7 @@ def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, splits, residuals, g):
     g = _joined(g)
     amax_g = _reduced_amax(g, dm.scale, axes)
     gq = _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype))
-    # dgrad (M, N) x (K, N) -> (M, K); wgrad (M, K) x (M, N) -> (K, N); both 2-D GEMMs.
-    dx = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], x_dtype)
-    dw = _scaled_dot(_rows(xq), gq, ((0,), (0,)), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
+    dx, dw = _backward_gemms(gq, None, _rows(xq), None, wq, dm, x_dtype, w_dtype)
     d_meta = DotMeta.observation(jnp.stack([amax_x, amax_w, amax_g], axis=-1), dm)
     return dx.reshape(xq.shape), dw, d_meta
 

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_ls2._dispatch import _varying_axes, match_varying
-from jax_ls2.fp8.dot import (_check_splits, _first_order_only, _joined, _prepare, _quantize, _reduced_amax, _rows,
-                              _scaled_dot, _split_gemms)
+from jax_ls2._dispatch import match_varying
+from jax_ls2.fp8.dot import (_backward_gemms, _check_splits, _first_order_only, _joined, _mesh_max, _prepare,
+                              _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight)
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
 from jax_ls2.fp8.state import DotMeta
 
@@ -66,18 +66,7 @@ def _shared_amax_vmap(axis_size, in_batched, amax, like_scale):
 def _observed(amax, like_scale, axes):
     """A fused kernel's amax as the meta records it: shared over a vmapped batch for an
     unmapped meta, max-reduced over the mesh axes ``axes`` (inside shard_map)."""
-    amax = _shared_amax(amax, jax.lax.stop_gradient(like_scale))
-    if not axes:
-        return amax
-    invariant = tuple(a for a in axes if a not in _varying_axes(amax))
-    if invariant:
-        amax = jax.lax.pcast(amax, invariant, to="varying")
-    return jax.lax.pmax(amax, axes)
-
-
-def _weight(w, dm, recipe, axes):
-    """(w as E4M3 with its delayed scale, its observed amax)."""
-    return _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype), _reduced_amax(w, dm.scale, axes)
+    return _mesh_max(_shared_amax(amax, jax.lax.stop_gradient(like_scale)), axes)
 
 
 def _grad_cast(g, dm, recipe, axes, fused_cast=True):
@@ -89,20 +78,6 @@ def _grad_cast(g, dm, recipe, axes, fused_cast=True):
     ops, _ = _ops()
     gq, gq_t, amax = ops.cast_transpose(g, dm.scale[GRAD_OUTPUT], fp8_dtype=recipe.backward_dtype)
     return _rows(gq), gq_t, _observed(amax, dm.scale, axes)
-
-
-def _backward_gemms(gq, gq_t, hq, hq_t, wq, dm, h_dtype, w_dtype):
-    """dgrad (M, N) x (K, N) -> (M, K) and wgrad (K, N) of one GEMM ``h @ w``.
-
-    The wgrad reads the transposed copies where a kernel wrote them: hq_t (K, M) and
-    gq_t (N, M), K-major as Hopper's FP8 GEMMs take them; XLA transposes hq (M, K) or
-    gq (M, N) where they are None.
-    """
-    dh = _scaled_dot(gq, wq, ((1,), (1,)), dm.scale_inv[GRAD_OUTPUT] * dm.scale_inv[WEIGHT], h_dtype)
-    a, a_dim = (hq, 0) if hq_t is None else (hq_t, 1)
-    b, b_dim = (gq, 0) if gq_t is None else (gq_t, 1)
-    dw = _scaled_dot(a, b, ((a_dim,), (b_dim,)), dm.scale_inv[INPUT] * dm.scale_inv[GRAD_OUTPUT], w_dtype)
-    return dh, dw
 
 
 def _check_ln(op, x, gamma, beta, epsilon):
