@@ -27,7 +27,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from bench.common import FIELDS, Rows, time_fn
+from bench.common import Rows, int_list, time_fn
 from jax_ls2 import ops
 
 TOKENS = 16384
@@ -172,14 +172,6 @@ def probe_longest(rows, args):
         del q, k, v, dout
 
 
-def write_csv(rows, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS + EXTRA_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows.rows)
-
-
 def plot(csv_path):
     """TFLOP/s against length, one panel per (head_dim, causal, rate, pass)."""
     import matplotlib
@@ -213,10 +205,6 @@ def plot(csv_path):
     return out
 
 
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
 def _floats(text):
     return [float(x) for x in text.split(",") if x]
 
@@ -229,8 +217,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/latest")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--head-dims", type=_ints, default=[64, 128])
-    p.add_argument("--lengths", type=_ints, default=[197, 512, 2048, 8192, 32768])
+    p.add_argument("--head-dims", type=int_list, default=[64, 128])
+    p.add_argument("--lengths", type=int_list, default=[197, 512, 2048, 8192, 32768])
     p.add_argument("--causal", type=_bools, default=[False, True], help="e.g. 0,1")
     p.add_argument("--rates", type=_floats, default=[0.0, 0.1])
     p.add_argument("--passes", type=lambda t: [x for x in t.split(",") if x], default=["fwd", "fwd+bwd"])
@@ -238,7 +226,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--max-scores-gb", type=float, default=16.0,
                    help="skip xla / fused_softmax where one float32 scores array exceeds this")
-    p.add_argument("--probe-lengths", type=_ints, default=[32768, 65536, 131072],
+    p.add_argument("--probe-lengths", type=int_list, default=[32768, 65536, 131072],
                    help="lengths of the batch-1, 32-head, head_dim-128 training probe (empty: none)")
     p.add_argument("--plot", default="", help="only draw the plot of this CSV")
     a = p.parse_args(argv)
@@ -254,7 +242,7 @@ def main(argv=None):
     if a.probe_lengths:
         probe_longest(rows, a)
     path = os.path.join(a.out, CSV_NAME)
-    write_csv(rows, path)
+    rows.write(path, EXTRA_FIELDS)
     print(f"wrote {path}")
     try:
         print(f"plot: {plot(path)}")

@@ -24,7 +24,6 @@ attention time (non-causal, where every device attends ``P`` full blocks).
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import re
@@ -34,17 +33,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.common import FIELDS, Rows, time_fn
+from bench.bench_attention import attention_flops
+from bench.common import Rows, int_list, time_fn
 from jax_ls2 import ops, parallel
 
 EXTRA_FIELDS = ["ring", "balance", "causal", "tflops", "pct_of_whole", "mem_per_device_bytes", "exposed_comm_ms"]
 CSV_NAME = "ring_attention.csv"
 AXIS = "ring"
-
-
-def attention_flops(b, h, length, d, causal, pass_):
-    f = 4.0 * b * h * length * length * d * (3.5 if pass_ == "fwd+bwd" else 1.0)
-    return f / 2 if causal else f
 
 
 # ---------------------------------------------------------------- the programs
@@ -159,7 +154,7 @@ def run_emulated(rows, args, dtype):
     q, k, v, dout = inputs(b, length, h, d, dtype)
     for causal in args.causal:
         for pass_ in args.passes:
-            flops = attention_flops(b, h, length, d, causal, pass_)
+            flops = attention_flops(b, h, length, length, d, causal, pass_)
             whole = whole_fn(causal)
             fn = whole if pass_ == "fwd" else with_backward(whole)
             call_args = (q, k, v) if pass_ == "fwd" else (q, k, v, dout)
@@ -216,7 +211,7 @@ def run_devices(rows, args, dtype):
             print(f"  {r['start']}: attention {r['overlapped']}, other compute {len(r['compute'])}")
         for pass_, fn, call_args in (("fwd", f, (q, k, v)), ("fwd+bwd", step, (q, k, v, dout))):
             t = time_fn(fn, [call_args], reps=args.reps)
-            flops = attention_flops(b, h, length, d, causal, pass_)
+            flops = attention_flops(b, h, length, length, d, causal, pass_)
             exposed = ""
             if not causal:
                 c = length // ring
@@ -230,18 +225,6 @@ def run_devices(rows, args, dtype):
                  exposed_comm_ms=exposed)
 
 
-def write_csv(rows, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS + EXTRA_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows.rows)
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/latest")
@@ -252,7 +235,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--ring-sizes", type=_ints, default=[2, 4, 8])
+    p.add_argument("--ring-sizes", type=int_list, default=[2, 4, 8])
     p.add_argument("--impls", default="flash", help="comma-separated: flash,rsa (rsa holds chunk x L scores)")
     p.add_argument("--balance", default="zigzag", choices=("zigzag", "none"))
     p.add_argument("--causal", type=lambda s: [x.strip().lower() in ("1", "true") for x in s.split(",")],
@@ -271,7 +254,7 @@ def main(argv=None):
     rows = Rows()
     (run_devices if args.overlap else run_emulated)(rows, args, dtype)
     path = os.path.join(args.out, CSV_NAME)
-    write_csv(rows, path)
+    rows.write(path, EXTRA_FIELDS)
     print(f"wrote {len(rows.rows)} rows to {path}")
 
 

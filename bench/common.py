@@ -190,6 +190,11 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int
     return float(np.median(t)), float(np.percentile(t, 20)), float(np.percentile(t, 80))
 
 
+def int_list(text: str) -> list:
+    """"1,2,4" -> [1, 2, 4] (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
 def copies_for(nbytes: int, target_bytes: int = 1 << 30) -> int:
     """How many distinct input copies one timed program should process: enough
     that the program moves about a gigabyte (launch overhead amortised, L2 missed)."""
@@ -221,10 +226,11 @@ class Rows:
         self.rows.append(row)
         return row
 
-    def write(self, path: str):
+    def write(self, path: str, extra_fields: Sequence[str] = ()):
+        """The rows as CSV: the common FIELDS, then a benchmark's own `extra_fields`."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=[*FIELDS, *extra_fields], extrasaction="ignore")
             w.writeheader()
             w.writerows(self.rows)
 
