@@ -1,4 +1,4 @@
-"""Model zoo: BERT, GPT, encoder-decoder Transformer and ViT.
+"""Model zoo: BERT, GPT, encoder-decoder Transformer, ViT and a LLaMA-family decoder.
 
 Each model class takes a layer library: ``jax_ls2.nn`` (the fused layers) or
 ``flax_models.plain`` (the plain-Flax twin, no jax_ls2 code). Both build the same
@@ -14,9 +14,12 @@ from flax import nnx
 from flax_models.configs import PRESETS, Config, get_config
 
 FAMILIES = ("bert", "gpt", "transformer", "vit")
+# Every family `build` and the training command take: FAMILIES (built on the
+# Transformer layer stacks, FP8 included) and the LLaMA family (`DecoderLayer`s).
+ALL_FAMILIES = FAMILIES + ("llama",)
 _CLASSES = {"bert": ("flax_models.bert", "Bert"), "gpt": ("flax_models.gpt", "GPT"),
             "transformer": ("flax_models.transformer", "Transformer"),
-            "vit": ("flax_models.vit", "ViT")}
+            "vit": ("flax_models.vit", "ViT"), "llama": ("flax_models.llama", "Llama")}
 IMPLS = ("ls2", "plain")
 
 
@@ -45,4 +48,4 @@ def build(cfg: Config, *, impl: str = "ls2", dtype=None, param_dtype=jnp.float32
     return model
 
 
-__all__ = ["FAMILIES", "IMPLS", "PRESETS", "Config", "build", "get_config", "layer_library"]
+__all__ = ["ALL_FAMILIES", "FAMILIES", "IMPLS", "PRESETS", "Config", "build", "get_config", "layer_library"]

@@ -18,7 +18,19 @@ class Config:
     layers only); the layer fields are named as in ``jax_ls2.nn.LayerConfig``. Family-specific: type_vocab_size and
     mlm_max_predictions (bert: > 0 runs the MLM head on at most that many predicted
     tokens per sequence instead of on every token), label_smoothing / pad_id
-    (transformer), image_size / patch_size / channels / num_classes (vit).
+    (transformer), image_size / patch_size / channels / num_classes (vit); llama (see
+    ``jax_ls2.nn.DecoderLayer``): num_kv_heads (0: num_heads), head_dim (0: hidden_size
+    // num_heads), norm ("rms" or "layer"; epsilon is its epsilon), gated_activation,
+    norm_unit_offset (Gemma's ``1 + scale``), rope_theta, rope_scaling (None or a
+    ``jax_ls2.ops.RotaryScaling``), embed_scale (embeddings times sqrt(hidden_size), as
+    Gemma) and tie_embeddings (the output projection is the embedding table).
+
+    Parallelism (jax_ls2 layers; GPT, BERT and the Transformer): ``tensor_axis`` None
+    (default) or the mesh axis name (``"tensor"``) for Megatron tensor parallelism:
+    heads, FFN and the vocabulary (tied embedding, output head and loss) split over it;
+    num_heads, ffn_size and vocab_size must be multiples of its size.
+    ``sequence_parallel``: with ``tensor_axis``, Megatron sequence parallelism
+    (LayerNorm, dropout and residuals on sequence parts over the tensor axis).
     """
     family: str
     vocab_size: int = 512
@@ -42,6 +54,17 @@ class Config:
     patch_size: int = 8
     channels: int = 3
     num_classes: int = 10
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    norm: str = "rms"
+    gated_activation: str = "swiglu"
+    norm_unit_offset: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None
+    embed_scale: bool = False
+    tie_embeddings: bool = False
+    tensor_axis: str | None = None
+    sequence_parallel: bool = False
 
     def layer_options(self, **fixed) -> dict:
         """The keyword arguments of a layer stack (``lib.TransformerEncoder`` /
@@ -50,10 +73,21 @@ class Config:
         plain-Flax twin has no FP8 layers)."""
         if self.fp8 is not None:
             fixed = dict(fixed, fp8=self.fp8)
+        if self.tensor_axis is not None:
+            fixed = dict(fixed, tensor_axis=self.tensor_axis, sequence_parallel=self.sequence_parallel)
         return dict(hidden_size=self.hidden_size, ffn_size=self.ffn_size, num_heads=self.num_heads,
                     attn_dropout=self.attn_dropout, activation_dropout=self.activation_dropout,
                     hidden_dropout=self.hidden_dropout, epsilon=self.epsilon,
                     attention_backend=self.attention_backend, remat=self.remat, **fixed)
+
+    def vocab_options(self, *, loss: bool = False) -> dict:
+        """The tensor-parallel keyword arguments of the model's ``lib.Embedding`` (or,
+        with ``loss``, of its ``lib.CrossEntropyCriterion``): none without
+        ``tensor_axis``."""
+        if self.tensor_axis is None:
+            return {}
+        return ({"tensor_axis": self.tensor_axis} if loss
+                else {"tensor_axis": self.tensor_axis, "sequence_parallel": self.sequence_parallel})
 
     def replace(self, **kw) -> "Config":
         unknown = set(kw) - {f.name for f in dataclasses.fields(self)}
@@ -86,6 +120,13 @@ PRESETS: dict[str, dict[str, Config]] = {
         "tiny": Config("vit", epsilon=1e-12),
         "b16": Config("vit", hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                       image_size=224, patch_size=16, num_classes=1000, epsilon=1e-12),
+    },
+    # ffn_size is the width of each of the gate and up projections.
+    "llama": {
+        "tiny": Config("llama", num_kv_heads=2, epsilon=1e-5),
+        # 1.10e9 parameters (flax_models.llama.num_params), untied output projection.
+        "1b": Config("llama", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32,
+                     num_kv_heads=8, ffn_size=8192, max_len=2048, epsilon=1e-5),
     },
 }
 

@@ -143,12 +143,12 @@ def make_batch(cfg, seed: int, step: int, batch: int, seq: int, split: str = "tr
     """The batch of ``step`` for ``cfg.family`` (numpy arrays) from ``split`` ("train", or
     "eval" for held-out data)."""
     _check_split("make_batch", split)
-    if cfg.family in ("bert", "gpt"):
+    if cfg.family in ("bert", "gpt", "llama"):
         if cfg.vocab_size < TEXT_VOCAB:
             raise ValueError(f"data: text needs vocab_size >= {TEXT_VOCAB}, got {cfg.vocab_size}")
         if seq > cfg.max_len:
             raise ValueError(f"data: seq {seq} exceeds the model's max_len {cfg.max_len}")
-        if cfg.family == "gpt":
+        if cfg.family in ("gpt", "llama"):
             return gpt_batch(seed, step, batch, seq, split)
         return bert_batch(seed, step, batch, seq, max_predictions=cfg.mlm_max_predictions,
                           split=split)

@@ -18,6 +18,14 @@ and refuses a checkpoint that is corrupted or belongs to another model. ``--metr
 (by default ``<ckpt-dir>/metrics.jsonl`` when there is a ``--ckpt-dir``) writes one JSON
 line per step, evaluation and run; ``python -m flax_models.plot FILE... -o loss.png``
 draws loss and throughput from them.
+
+``--mesh data=..,tensor=..,seq=..,pipe=..`` trains on a device mesh
+(``jax_ls2.parallel.make_mesh``) over every device of every process: the batch split
+over the data axis, the state placed by its partition specs, the fused optimizer
+updating the params where they lie (``--zero1`` also splits its state over the data
+axis). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+``JAX_PROCESS_ID``, or a Slurm / Open MPI job) ``jax.distributed`` is started first,
+with gloo collectives for CPU devices; every process runs the same command.
 """
 from __future__ import annotations
 
@@ -34,9 +42,11 @@ import numpy as np
 import flax_models as fm
 from flax_models import data, training
 from flax_models.metrics import MetricsWriter
+from jax_ls2 import parallel
 
 DEFAULTS = {  # (batch, seq) per family and preset size
-    "tiny": (8, 64), "bert": (32, 128), "gpt": (16, 1024), "transformer": (64, 128), "vit": (128, 0)}
+    "tiny": (8, 64), "bert": (32, 128), "gpt": (16, 1024), "transformer": (64, 128), "vit": (128, 0),
+    "llama": (8, 2048)}
 
 
 def _attention_backends() -> tuple:
@@ -55,14 +65,14 @@ def _fp8_formats() -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    presets = "; ".join(f"{f}: {', '.join(fm.PRESETS[f])}" for f in fm.FAMILIES)
+    presets = "; ".join(f"{f}: {', '.join(fm.PRESETS[f])}" for f in fm.ALL_FAMILIES)
     sizes = ", ".join(f"{k} {b}" for k, (b, _) in DEFAULTS.items())
     seqs = ", ".join(f"{k} {s}" for k, (_, s) in DEFAULTS.items() if s)
     p = argparse.ArgumentParser(prog="python -m flax_models.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", required=True, choices=fm.FAMILIES,
-      help=f"model family, one of {', '.join(fm.FAMILIES)} (required)")
+    a("--model", required=True, choices=fm.ALL_FAMILIES,
+      help=f"model family, one of {', '.join(fm.ALL_FAMILIES)} (required)")
     a("--preset", default="tiny", help=f"model size per family ({presets}) (default: tiny)")
     a("--impl", default="ls2", choices=fm.IMPLS,
       help="ls2: jax_ls2's fused layers and optimizer; plain: the plain-Flax twin with "
@@ -101,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
       help="with --fp8: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (default: hybrid)")
     a("--fp8-amax-history", type=int,
       help="with --fp8: amax history length per GEMM operand, at least 1 (default: 1024)")
+    a("--mesh", help="train on a device mesh over all devices of all processes, e.g. data=8 or "
+                      "data=2,tensor=4 (axes: pipe, data, seq, tensor; unnamed axes size 1; the "
+                      "sizes must multiply to the device count); tensor, seq and pipe above 1 "
+                      "are not supported yet (default: one device, no mesh)")
+    a("--zero1", action="store_true",
+      help="with --mesh: split the fused optimizer's moments over the data axis (ZeRO-1) "
+           "(default: off)")
     a("--ckpt-dir", help="directory for orbax checkpoints of the full training state "
                          "(default: none, nothing saved)")
     a("--save-every", type=int, default=0,
@@ -167,6 +184,15 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{flag.replace('_', '-')} applies with --fp8")
     if args.fp8_amax_history is not None and args.fp8_amax_history < 1:
         p.error(f"--fp8-amax-history must be at least 1, got {args.fp8_amax_history}")
+    if args.mesh is not None:
+        try:
+            parallel.parse_mesh_spec(args.mesh)
+        except (TypeError, ValueError) as e:
+            p.error(f"--mesh: {e}")
+    if args.zero1 and args.mesh is None:
+        p.error("--zero1 needs --mesh (the data axis to split the optimizer state over)")
+    if args.zero1 and (args.optimizer != "fused" or args.impl != "ls2" or args.compare):
+        p.error("--zero1 needs the fused optimizer: --impl ls2 --optimizer fused, without --compare")
     if args.compare and not args.fp8 and args.attention_backend not in _plain_backends():
         p.error(f"--attention-backend {args.attention_backend} has no plain-Flax counterpart; "
                 f"--compare takes one of {', '.join(_plain_backends())}")
@@ -196,6 +222,48 @@ def config_from(args):
     cfg = fm.get_config(args.model, args.preset, **over)
     batch, seq = DEFAULTS["tiny" if args.preset == "tiny" else args.model]
     return cfg, args.batch or batch, args.seq or seq or cfg.max_len
+
+
+# ---------------------------------------------------------------------------- the mesh
+UNSUPPORTED_AXES = (parallel.TENSOR, parallel.SEQ, parallel.PIPE)
+"""Mesh axes the zoo models cannot be split over yet (their size must be 1)."""
+
+
+def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size):
+    """The mesh of ``--mesh`` (None without it), checked against the devices, the
+    model and the batch; a mismatch is a usage error naming what to change."""
+    if args.mesh is None:
+        if jax.process_count() > 1:
+            p.error(f"{jax.process_count()} processes run; give --mesh (e.g. --mesh data={jax.device_count()}) "
+                    "so that they train one model together")
+        return None
+    sizes = parallel.parse_mesh_spec(args.mesh)
+    try:
+        mesh = parallel.make_mesh(sizes)
+    except ValueError as e:
+        p.error(f"--mesh: {e}")
+    if cfg.num_heads % sizes[parallel.TENSOR]:
+        p.error(f"--mesh: tensor={sizes[parallel.TENSOR]} does not divide the {cfg.num_heads} heads of "
+                f"{cfg.family}/{args.preset}; use a tensor size dividing {cfg.num_heads}")
+    if cfg.num_layers % sizes[parallel.PIPE]:
+        p.error(f"--mesh: pipe={sizes[parallel.PIPE]} does not divide the {cfg.num_layers} layers of "
+                f"{cfg.family}/{args.preset}; use a pipe size dividing {cfg.num_layers}")
+    if batch_size % sizes[parallel.DATA]:
+        p.error(f"--mesh: data={sizes[parallel.DATA]} does not divide --batch {batch_size}; use a batch that "
+                "is a multiple of the data size")
+    unsupported = [f"{a}={sizes[a]}" for a in UNSUPPORTED_AXES if sizes[a] > 1]
+    if unsupported:
+        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the tensor, seq or pipe axes "
+                "is not supported yet; use a data-only mesh (e.g. --mesh data="
+                f"{math.prod(sizes.values())})")
+    return mesh
+
+
+def describe_mesh(mesh) -> str:
+    if mesh is None:
+        return "one device"
+    shape = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "all axes 1"
+    return f"mesh {shape} ({mesh.size} devices, {jax.process_count()} processes)"
 
 
 # ---------------------------------------------------------------------------- what ran
@@ -230,7 +298,7 @@ class PeakMemory:
 
     @staticmethod
     def _peak():
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         return stats.get("peak_bytes_in_use")
 
     def result(self):
@@ -270,9 +338,10 @@ def metrics_path(args, name: str):
 
 
 # ---------------------------------------------------------------------------- training
-def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, metrics=None):
+def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, metrics=None, mesh=None):
     """Run one training; returns a dict of losses, step times and figures. ``metrics``: the
-    JSONL file to write (see `flax_models.metrics`), or None."""
+    JSONL file to write (see `flax_models.metrics`), or None. ``mesh``: None (one
+    device) or the mesh of `mesh_from`."""
     t_start = time.perf_counter()
     label = label or impl
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
@@ -281,17 +350,22 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
     tx, opt_name = training.make_optimizer(args.lr, args.steps, args.warmup,
                                            fused=args.optimizer == "fused")
     graphdef, state = training.create(cfg, impl=impl, dtype=dtype, seed=args.seed, tx=tx,
-                                      params_from=params_from)
+                                      params_from=params_from, mesh=mesh,
+                                      zero=bool(getattr(args, "zero1", False)))
+    layout = training.optimizer_layout(graphdef, state)
+    if layout:
+        opt_name = f"{opt_name} (state split over {layout})"
+    place = (lambda b: b) if mesh is None else (lambda b: training.shard_batch(b, mesh))
     start = 0
     if args.resume:
         if training.latest_step(args.ckpt_dir) is None:
             print(f"{label}: no checkpoint under {args.ckpt_dir}; starting afresh", flush=True)
         else:
-            state, start = training.restore_checkpoint(args.ckpt_dir, state)
+            state, start = training.restore_checkpoint(args.ckpt_dir, state, optimizer_layout=layout)
             print(f"{label}: resumed from step {start} ({args.ckpt_dir})", flush=True)
     step_fn = training.make_step(graphdef)
     eval_fn = training.make_eval_step(graphdef) if args.eval_every else None
-    eval_data = [data.make_batch(cfg, args.seed, i, batch_size, seq, "eval")
+    eval_data = [place(data.make_batch(cfg, args.seed, i, batch_size, seq, "eval"))
                  for i in range(args.eval_batches)] if eval_fn else []
     unit = "images" if cfg.family == "vit" else "tokens"
     writer = metrics and MetricsWriter(metrics, label, append=bool(args.resume and start))
@@ -299,21 +373,22 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
         writer.write("run", model=cfg.family, preset=args.preset,
                      implementation="plain" if impl == "plain" else ls2_implementation(),
                      batch=batch_size, seq=seq, dtype=args.dtype, steps=args.steps,
-                     start_step=start, device=jax.devices()[0].device_kind, unit=unit)
+                     start_step=start, device=jax.local_devices()[0].device_kind, unit=unit)
     per_step = None
     losses, times, evals = [], [], []
     for step in range(start, args.steps):
         batch = data.make_batch(cfg, args.seed, step, batch_size, seq)
         per_step = data.tokens_in(cfg, batch)
+        batch = place(batch)
         t0 = time.perf_counter()
         state, loss, aux = step_fn(state, batch)
-        loss = float(loss)  # blocks until the step is done
+        loss = float(training.to_host(loss))  # blocks until the step is done
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         done = step + 1
         if not np.isfinite(loss):
             raise FloatingPointError(f"train: loss is {loss} at step {step}")
-        if not bool(aux.get("grads_finite", True)):
+        if not bool(training.to_host(aux.get("grads_finite", True))):
             raise FloatingPointError(f"train: the gradients of step {step} hold inf/NaN (the update "
                                      "was applied; use the optimizer's skip_nonfinite or loss_scale to skip)")
         if writer:
@@ -322,10 +397,10 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
                          elapsed_s=time.perf_counter() - t_start)
         if args.ckpt_dir and args.save_every and done % args.save_every == 0:
             training.save_checkpoint(args.ckpt_dir, done, state,
-                                     model=f"{cfg.family}/{args.preset} {impl}")
+                                     model=f"{cfg.family}/{args.preset} {impl}", optimizer_layout=layout)
             print(f"{label}: saved step {done} ({args.ckpt_dir})", flush=True)
         if eval_fn and (done % args.eval_every == 0 or done == args.steps):
-            ev = float(np.mean([float(eval_fn(state, b)) for b in eval_data]))
+            ev = float(np.mean([float(training.to_host(eval_fn(state, b))) for b in eval_data]))
             evals.append((done, ev))
             if writer:
                 writer.write("eval", step=done, eval_loss=ev)
@@ -359,19 +434,26 @@ def summary(r):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    # first, before anything touches a device: with several processes, jax.devices()
+    # then lists the devices of all of them
+    parallel.initialize_distributed(cpu_collectives="gloo")
     cfg, batch_size, seq = config_from(args)
+    mesh = mesh_from(p, args, cfg, batch_size)
     # with --fp8 the twin is jax_ls2 without FP8, else the other implementation
     twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")
     impls = [args.impl] + ([twin] if args.compare and twin != args.impl else [])
     fp8_text = f", FP8 GEMMs ({cfg.fp8})" if cfg.fp8 is not None else ""
     print(f"{cfg.family}/{args.preset}: batch {batch_size} x {seq}, {args.dtype}{fp8_text}, "
-          f"{args.steps} steps on {jax.devices()[0].device_kind} ({jax.default_backend()})",
+          f"{args.steps} steps on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"{describe_mesh(mesh)}",
           flush=True)
     for impl in impls:
         print(f"implementation {describe_impl(impl)}", flush=True)
     first = train(args, cfg, batch_size, seq, impl=args.impl, label=run_name(args),
-                  metrics=metrics_path(args, run_name(args)))
+                  metrics=metrics_path(args, run_name(args)), mesh=mesh)
     print(summary(first), flush=True)
     if not args.compare:
         return first
@@ -380,9 +462,9 @@ def main(argv=None):
     # the plain-Flax baseline trains with optax.adamw (no jax_ls2 code at all)
     twin_opt = "optax" if twin == "plain" else args.optimizer
     twin_args = argparse.Namespace(**{**vars(args), "ckpt_dir": None, "save_every": 0,
-                                      "optimizer": twin_opt, "fp8": False})
+                                      "optimizer": twin_opt, "fp8": False, "zero1": False})
     second = train(twin_args, cfg.replace(fp8=None), batch_size, seq, impl=twin, params_from=ref_model,
-                   label=twin, metrics=metrics_path(args, twin))
+                   label=twin, metrics=metrics_path(args, twin), mesh=mesh)
     print(summary(second), flush=True)
     ls2, base = (first, second) if args.impl == "ls2" else (second, first)
     diff = np.abs(np.asarray(ls2["losses"]) - np.asarray(base["losses"]))

@@ -86,7 +86,7 @@ class DecoderLayer(nnx.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.norm, self.activation, self.interleaved = norm, activation, interleaved
-        self.inv_freq = rotary_frequencies(rotary_dim or self.head_dim, rope_theta, rope_scaling)
+        self.rope = (rotary_dim or self.head_dim, rope_theta, rope_scaling)
         self.attn_dropout, self.deterministic, self.dtype = attn_dropout, deterministic, dtype
         lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         if norm == "rms":
@@ -137,8 +137,9 @@ class DecoderLayer(nnx.Module):
         start = self.cache_index[...] if decode else 0
         if positions is None:
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k = apply_rotary(q, positions, self.inv_freq, self.interleaved), \
-            apply_rotary(k, positions, self.inv_freq, self.interleaved)
+        inv_freq = jnp.asarray(rotary_frequencies(*self.rope))
+        q, k = apply_rotary(q, positions, inv_freq, self.interleaved), apply_rotary(k, positions, inv_freq,
+                                                                                    self.interleaved)
         mask, causal = None, True
         if segment_ids is not None:
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]

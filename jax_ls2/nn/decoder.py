@@ -114,7 +114,8 @@ class DecoderLayer(nnx.Module):
             raise ValueError(f"{o}: rotary_dim must be an even int from 2 to head_dim ({head_dim}), got {rotary_dim!r}")
         self.hidden_size, self.ffn_size, self.num_heads = hidden_size, ffn_size, num_heads
         self.num_kv_heads, self.head_dim, self.norm, self.activation = num_kv_heads, head_dim, norm, activation
-        self.rope = dict(theta=float(rope_theta), rotary_dim=rd, interleaved=interleaved, scaling=rope_scaling)
+        self.rope_theta, self.rotary_dim, self.interleaved = float(rope_theta), rd, interleaved
+        self.rope_scaling = rope_scaling
         self.attn_dropout = check_rate(o, "attn_dropout", attn_dropout)
         self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
         self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
@@ -181,7 +182,8 @@ class DecoderLayer(nnx.Module):
         start = self.cache_index[...] if decode else 0
         if positions is None:
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k = rotary(q, k, positions, **self.rope)
+        q, k = rotary(q, k, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim,
+                      interleaved=self.interleaved, scaling=self.rope_scaling)
         attn = dict(causal=True, segment_ids=segment_ids)
         if decode:
             k_all, v_all, _ = kv_cache.write(self.cache_k, self.cache_v, self.cache_index, k, v)
