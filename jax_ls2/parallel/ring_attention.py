@@ -147,6 +147,16 @@ def _shift(cfg: _Cfg, tree):
     return jax.lax.ppermute(tree, cfg.axis_name, [(i, (i + 1) % cfg.ring) for i in range(cfg.ring)])
 
 
+def _around_ring(cfg: _Cfg, rank, held):
+    """Yields ``(step, src, block)`` for the P steps of a ring pass: at ``step`` this
+    device holds ``block``, which started on device ``src``. The next block's transfer is
+    issued before the step's work is traced, so the two can overlap."""
+    for step in range(cfg.ring):
+        received = _shift(cfg, held) if step + 1 < cfg.ring else None
+        yield step, (rank - step) % cfg.ring, held
+        held = received
+
+
 def _pieces(cfg: _Cfg, device):
     """Device ``device``'s chunk as ``[(global_offset, local_offset, length)]`` runs."""
     c = cfg.chunk
@@ -255,19 +265,15 @@ def _flash_forward(cfg: _Cfg, q, k, v, mask, key):
     ct = _compute_dtype(q.dtype)
     b, c, h, _ = q.shape
     acc = (jnp.zeros_like(q, ct), _filled(q, (b, h, c), -jnp.inf, ct))
-    kv = (k, v, mask) if cfg.has_mask else (k, v)
-    for step in range(cfg.ring):
-        received = _shift(cfg, kv) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for step, src, kv in _around_ring(cfg, rank, (k, v, mask) if cfg.has_mask else (k, v)):
         for blk in _blocks(cfg, step, rank):
-            def merge(acc, blk=blk):
+            def merge(acc, blk=blk, kv=kv, src=src):
                 kw, args = _block_call(cfg, blk, q, kv, key, rank, src)
                 o, lse = flash_attention(*args, return_lse=True, **kw)
                 cur_o, cur_l = _rows(acc[0], blk.q_off, blk.n, 1), _rows(acc[1], blk.q_off, blk.n, 2)
                 o, lse = merge_attention(cur_o, cur_l, o, lse)
                 return _put(acc[0], o, blk.q_off, 1), _put(acc[1], lse, blk.q_off, 2)
             acc = _when(blk.live, merge, acc)
-        kv = received
     return acc[0].astype(q.dtype), acc[1].astype(jnp.float32)
 
 
@@ -275,12 +281,9 @@ def _flash_backward(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
     rank = jax.lax.axis_index(cfg.axis_name)
     ct = _compute_dtype(q.dtype)
     grads = (jnp.zeros_like(q, ct), jnp.zeros_like(k, ct), jnp.zeros_like(v, ct))
-    kv = (k, v, mask) if cfg.has_mask else (k, v)
-    for step in range(cfg.ring):
-        received = _shift(cfg, kv) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for step, src, kv in _around_ring(cfg, rank, (k, v, mask) if cfg.has_mask else (k, v)):
         for blk in _blocks(cfg, step, rank):
-            def add(grads, blk=blk):
+            def add(grads, blk=blk, kv=kv, src=src):
                 kw, args = _block_call(cfg, blk, q, kv, key, rank, src)
                 rows = lambda x, axis=1: _rows(x, blk.q_off, blk.n, axis)
                 # The block's share of the gradients, from the merged out and lse.
@@ -293,7 +296,6 @@ def _flash_backward(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
             grads = _when(blk.live, add, grads)
         # dK, dV of the held block travel with it; after P shifts they are home.
         grads = (grads[0],) + _shift(cfg, grads[1:])
-        kv = received
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
@@ -368,16 +370,12 @@ def _rsa_forward(cfg: _Cfg, q, k, v, mask, seed):
     # rows of scores fill up in global key order.
     scores = _filled(q, (b, h, c, length), 0.0, ct)
     valid = _filled(q, (b, 1, 1, length), True, bool)
-    held = (k, mask) if cfg.has_mask else (k,)
-    for step in range(cfg.ring):
-        received = _shift(cfg, held) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for _, src, held in _around_ring(cfg, rank, (k, mask) if cfg.has_mask else (k,)):
         kx = jnp.repeat(held[0], groups, axis=2).astype(ct)
         part = jnp.einsum("bqhd,bkhd->bhqk", qc, kx, precision=_HI) * jnp.asarray(cfg.scale, ct)
         scores = _put_cols(cfg, scores, part, src)
         if cfg.has_mask:
             valid = _put_cols(cfg, valid, held[1][:, None, None, :], src)
-        held = received
     if cfg.causal:
         valid = valid & (jnp.arange(length)[None, :] <= _positions(cfg, rank)[:, None])[None, None]
     scores = jnp.where(valid, scores, -jnp.inf)
@@ -389,13 +387,9 @@ def _rsa_forward(cfg: _Cfg, q, k, v, mask, seed):
     pz = _dropped(cfg, probs, keep)
     # Step 2: the value chunks travel around the ring.
     out = jnp.zeros_like(q, ct)
-    held = v
-    for step in range(cfg.ring):
-        received = _shift(cfg, held) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for _, src, held in _around_ring(cfg, rank, v):
         vx = jnp.repeat(held, groups, axis=2).astype(ct)
         out = out + jnp.einsum("bhqk,bkhd->bqhd", _cols(cfg, pz, src), vx, precision=_HI)
-        held = received
     return out.astype(q.dtype), probs
 
 
@@ -411,29 +405,21 @@ def _rsa_backward(cfg: _Cfg, q, k, v, probs, seed, dout):
     # The value chunks travel again: dP's columns, and dV's partial sums travel with them.
     dpz = jnp.zeros_like(probs)
     dv = jnp.zeros_like(v, ct)
-    held = v
-    for step in range(cfg.ring):
-        received = _shift(cfg, held) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for _, src, held in _around_ring(cfg, rank, v):
         vx = jnp.repeat(held, groups, axis=2).astype(ct)
         dpz = _put_cols(cfg, dpz, jnp.einsum("bqhd,bkhd->bhqk", do, vx, precision=_HI), src)
         dv = _shift(cfg, dv + _group_sum(jnp.einsum("bhqk,bqhd->bkhd", _cols(cfg, pz, src), do, precision=_HI), hk))
-        held = received
     dp = _dropped(cfg, dpz, keep)
     ds = probs * (dp - jnp.sum(probs * dp, axis=-1, keepdims=True)) * jnp.asarray(cfg.scale, ct)
     # The key chunks travel again: dQ, and dK's partial sums travel with them.
     qc = q.astype(ct)
     dq = jnp.zeros_like(q, ct)
     dk = jnp.zeros_like(k, ct)
-    held = k
-    for step in range(cfg.ring):
-        received = _shift(cfg, held) if step + 1 < cfg.ring else None
-        src = (rank - step) % cfg.ring
+    for _, src, held in _around_ring(cfg, rank, k):
         kx = jnp.repeat(held, groups, axis=2).astype(ct)
         dsb = _cols(cfg, ds, src)
         dq = dq + jnp.einsum("bhqk,bkhd->bqhd", dsb, kx, precision=_HI)
         dk = _shift(cfg, dk + _group_sum(jnp.einsum("bhqk,bqhd->bkhd", dsb, qc, precision=_HI), hk))
-        held = received
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
