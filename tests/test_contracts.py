@@ -21,6 +21,8 @@ dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
 layer_norm_ops = importlib.import_module("jax_ls2.ops.layer_norm")
 flash_ops = importlib.import_module("jax_ls2.ops.flash_attention")
 fp8_cast_ops = importlib.import_module("jax_ls2.ops.fp8_cast")
+rms_norm_ops = importlib.import_module("jax_ls2.ops.rms_norm")
+gated_act_ops = importlib.import_module("jax_ls2.ops.gated_act")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "csrc" / "kernels"
@@ -68,7 +70,7 @@ def parse_constants(path: pathlib.Path, prefix: str = "") -> dict:
 @pytest.fixture(scope="module")
 def header():
     consts = {}
-    for name in ("common.cuh", "dropout.h", "flash_attention.h", "layer_norm.h"):
+    for name in ("common.cuh", "dropout.h", "flash_attention.h", "layer_norm.h", "rms_norm.h", "gated_act.h"):
         consts.update(parse_constants(KERNELS / name))
     consts.update(parse_constants(KERNELS / "optimizer.h", prefix="optim::"))
     return consts
@@ -105,6 +107,11 @@ def _mirrors():
     acts = {"relu": "kActRelu", "gelu": "kActGelu", "gelu_tanh": "kActGeluTanh"}
     for name, code in dropout_ops._ACT_CODE.items():
         rows.append((f"ops.dropout._ACT_CODE[{name!r}]", code, acts[name], same))
+    rows.append(("ops.rms_norm._MAX_PARTS", rms_norm_ops._MAX_PARTS, "kMaxPartialRows", same))
+    rows.append(("ops.rms_norm.MAX_COPIES", rms_norm_ops.MAX_COPIES, "kRmsNormMaxExtraDy", lambda v: v + 1))
+    gated = {"swiglu": "kGatedSwiglu", "geglu": "kGatedGeglu", "geglu_tanh": "kGatedGegluTanh"}
+    for name, code in gated_act_ops._ACT_CODE.items():
+        rows.append((f"ops.gated_act._ACT_CODE[{name!r}]", code, gated[name], same))
     for i, cpp in enumerate(("kFlashHeadDimSmall", "kFlashHeadDimLarge")):
         rows.append((f"ops.flash_attention.KERNEL_HEAD_DIMS[{i}]", flash_ops.KERNEL_HEAD_DIMS[i], cpp, same))
     return rows

@@ -63,6 +63,17 @@ CASES = {
                            {"cross_entropy_fwd_grad", "cross_entropy_scale"}),
     "linear_cross_entropy": (lambda x, g: ops.linear_cross_entropy(x, x[0, :5], IDS, chunk_size=8)[0],
                              {"cross_entropy_fwd_grad"}),
+    "rms_norm": (lambda x, g: ops.rms_norm(x, g, unit_offset=True).sum(), {"rms_norm_fwd", "rms_norm_bwd"}),
+    "rms_norm residual": (lambda x, g: sum(t.sum() for t in ops.rms_norm(x, g, residual=x * 2)),
+                          {"add_rms_norm_fwd", "rms_norm_bwd"}),
+    "rms_norm copies": (lambda x, g: sum((t * i).sum() for i, t in enumerate(ops.rms_norm(x, g, copies=3,
+                                                                                          return_input=True))),
+                        {"rms_norm_fwd", "rms_norm_bwd"}),
+    "rotary": (lambda x, g: sum((t * g).sum() for t in ops.rotary(x[..., None, :], x[..., None, :] * 2, IDS,
+                                                                  interleaved=True)),
+               {"rotary_fwd", "rotary_bwd"}),
+    "gated_act_dropout": (lambda x, g: ops.gated_act_dropout(x, rate=0.1, key=KEY).sum(),
+                          {"gated_act_dropout_fwd", "gated_act_dropout_bwd"}),
 }
 
 

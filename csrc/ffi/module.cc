@@ -9,8 +9,10 @@
 #include "kernels/common.cuh"
 #include "kernels/dropout.h"
 #include "kernels/flash_attention.h"
+#include "kernels/gated_act.h"
 #include "kernels/layer_norm.h"
 #include "kernels/optimizer.h"
+#include "kernels/rms_norm.h"
 
 namespace py = pybind11;
 
@@ -31,6 +33,10 @@ py::dict Constants() {
   d["kActGeluTanh"] = static_cast<int>(kActGeluTanh);
   d["kFlashHeadDimSmall"] = kFlashHeadDimSmall;
   d["kFlashHeadDimLarge"] = kFlashHeadDimLarge;
+  d["kRmsNormMaxExtraDy"] = kRmsNormMaxExtraDy;
+  d["kGatedSwiglu"] = static_cast<int>(kGatedSwiglu);
+  d["kGatedGeglu"] = static_cast<int>(kGatedGeglu);
+  d["kGatedGegluTanh"] = static_cast<int>(kGatedGegluTanh);
   const std::pair<const char*, int> optim_constants[] = {
       {"kMaxLeaves", optim::kMaxLeaves}, {"kPad", optim::kPad}, {"kNormBlocks", optim::kNormBlocks},
       {"kLr", optim::kLr}, {"kB1", optim::kB1}, {"kB2", optim::kB2}, {"kOneMinusB1", optim::kOneMinusB1},
