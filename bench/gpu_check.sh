@@ -87,7 +87,7 @@ for step in $STEPS; do
       for name in ${BENCHES:-$(cd bench && ls bench_*.py | sed 's/\.py$//')}; do
         [ "$name" = bench_models ] && continue
         case $name in
-          bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
+          bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy|bench_llama_ops) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
           bench_optim) args="--parts ${OPTIM_PARTS:-update}" ;;
           *) args="" ;;
         esac
