@@ -186,7 +186,8 @@ class DecoderLayer(nnx.Module):
                       interleaved=self.interleaved, scaling=self.rope_scaling)
         attn = dict(causal=True, segment_ids=segment_ids)
         if decode:
-            k_all, v_all, _ = kv_cache.write(self.cache_k, self.cache_v, self.cache_index, k, v)
+            k_all, v_all = kv_cache.write(self.cache_k, self.cache_v, start, k, v)
+            self.cache_index[...] = start + t
             if t == 1:
                 k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
                 attn = dict(causal=False, padding_mask=kv_cache.filled_mask(b, k.shape[1], start))

@@ -28,17 +28,15 @@ def new_cache(batch: int, max_len: int, kv_heads: int, head_dim: int, dtype, own
             KVCache(jnp.zeros((), jnp.int32)))
 
 
-def write(keys: KVCache, values: KVCache, index: KVCache, k, v):
-    """Writes k, v ``(batch, t, kv_heads, head_dim)`` at the cache's position, advances it
-    by t, and returns (all keys, all values, the position written at). Positions past
-    ``max_len`` are not written (``dynamic_update_slice`` clamps the start): the caller
-    sizes the cache for the whole generation."""
-    start = index[...]
+def write(keys: KVCache, values: KVCache, start, k, v):
+    """Writes k, v ``(batch, t, kv_heads, head_dim)`` into the caches at position
+    ``start`` (an int32 scalar) and returns all keys and values. The caller advances its
+    index. Positions past ``max_len`` are not written (``dynamic_update_slice`` clamps
+    the start): size the cache for the whole generation."""
     k_all = jax.lax.dynamic_update_slice(keys[...], k.astype(keys.dtype), (0, start, 0, 0))
     v_all = jax.lax.dynamic_update_slice(values[...], v.astype(values.dtype), (0, start, 0, 0))
     keys[...], values[...] = k_all, v_all
-    index[...] = start + k.shape[1]
-    return k_all, v_all, start
+    return k_all, v_all
 
 
 def filled_mask(batch: int, max_len: int, position):

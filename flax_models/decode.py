@@ -1,0 +1,183 @@
+"""KV-cache decoding of the zoo's causal language models (LLaMA family and GPT), with
+either layer library.
+
+A decoder holds one key/value cache per attention layer (``jax_ls2.nn.KVCache``
+variables with jax_ls2 layers, Flax's ``nnx.Cache`` in the plain-Flax twin) and the
+number of positions written. ``decoder(ids, decode=True)`` appends ``ids`` (batch, t)
+to the cache and returns their logits (batch, t, vocab): first a prefill of the prompt
+(from an empty cache), then one token per call.
+
+* `for_decoding(model)`: the model itself for `flax_models.llama.Llama` (its
+  ``DecoderLayer`` s own their caches), a `GPTDecoding` around a
+  `flax_models.gpt.GPT` (the GPT's own modules and params, a cache beside them).
+* `init_cache(model, batch, max_len)`: that decoder with zeroed caches.
+* `generate(model, prompt, steps, temperature=0.0, key=None)`: prefill and ``steps``
+  sampled tokens in one compiled program (greedy at temperature 0, else softmax
+  sampling of ``logits / temperature``).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jax_ls2.nn as ls2_nn
+from flax_models.gpt import GPT
+from flax_models.llama import Llama
+from jax_ls2.nn import kv_cache
+from jax_ls2.nn._common import matmul
+from jax_ls2.ops import bias_act_dropout, flash_attention
+
+
+def _is_ls2(module) -> bool:
+    return isinstance(module, ls2_nn.LayerNorm)
+
+
+class GPTDecoding(nnx.Module):
+    """A `GPT` with a decode cache: ``__call__(ids, decode=True)`` runs the GPT's own
+    embedding, layers (pre-LN self-attention and tanh-GELU FFN) and tied output on the
+    cache. The GPT's params are shared, not copied."""
+
+    def __init__(self, gpt: GPT):
+        self.gpt = gpt
+        self.keys = self.values = self.index = nnx.data(None)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None):
+        cfg = self.gpt.cfg
+        if max_len > cfg.max_len:
+            raise ValueError(f"GPTDecoding.init_cache: max_len must be at most the model's max_len "
+                             f"({cfg.max_len}, its learned positions), got {max_len}")
+        layers = self.gpt.decoder.layers
+        dtype = dtype or self.gpt.embed.dtype or layers[0].attn.qkv.kernel.dtype
+        cache_type = kv_cache.KVCache if _is_ls2(layers[0].attn_ln) else nnx.Cache
+        caches = [kv_cache.new_cache(batch, max_len, cfg.num_heads, cfg.hidden_size // cfg.num_heads, dtype,
+                                     "GPTDecoding") for _ in layers]
+        self.keys = nnx.List([cache_type(k[...]) for k, _, _ in caches])
+        self.values = nnx.List([cache_type(v[...]) for _, v, _ in caches])
+        self.index = cache_type(jnp.zeros((), jnp.int32))
+
+    def _attention(self, i, layer, h):
+        b, t, hidden = h.shape
+        heads = self.gpt.cfg.num_heads
+        qkv = layer.attn.qkv(h).reshape(b, t, 3, heads, hidden // heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        start = self.index[...]
+        k_all, v_all = kv_cache.write(self.keys[i], self.values[i], start, k, v)
+        mask = None  # a prefill attends its own tokens causally
+        if t == 1:
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            mask = kv_cache.filled_mask(b, k.shape[1], start)
+        if _is_ls2(layer.attn_ln):
+            ctx = flash_attention(q, k, v, causal=t > 1, padding_mask=mask)
+        else:
+            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=t > 1, implementation="xla",
+                                               mask=None if mask is None else mask[:, None, None, :])
+        return layer.attn.out(ctx.reshape(b, t, hidden))
+
+    def _ffn(self, layer, h):
+        if _is_ls2(layer.attn_ln):
+            y, bias = matmul(h, layer.fc1, layer.config.dtype)
+            y = bias_act_dropout(y, bias, activation="gelu_tanh", rate=0.0, deterministic=True)
+        else:
+            y = layer.fc1(h)
+            y = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(y.dtype)
+        return layer.fc2(y)
+
+    def __call__(self, ids, *, decode: bool = True):
+        if not decode:
+            return self.gpt(ids)
+        if self.index is None:
+            raise ValueError("GPTDecoding: decode=True needs a cache; call init_cache(batch, max_len) first")
+        b, t = ids.shape
+        start = self.index[...]
+        x = self.gpt.embed(ids, positions=jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t)),
+                           deterministic=True)
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            x = x + self._attention(i, layer, layer.attn_ln(x)).astype(x.dtype)
+            x = x + self._ffn(layer, layer.ffn_ln(x)).astype(x.dtype)
+        self.index[...] = start + t
+        return self.gpt.embed.attend(self.gpt.decoder.final_ln(x))
+
+
+def for_decoding(model):
+    """The decoder of ``model``: a `Llama` itself, a `GPT` wrapped in `GPTDecoding`."""
+    if isinstance(model, Llama):
+        return model
+    if isinstance(model, GPT):
+        return GPTDecoding(model)
+    raise TypeError(f"for_decoding: model must be a flax_models Llama or GPT, got {type(model).__name__}")
+
+
+def init_cache(model, batch: int, max_len: int, dtype=None):
+    """`for_decoding(model)` in eval mode with zeroed caches for ``batch`` sequences of at
+    most ``max_len`` positions (keys and values in ``dtype``, default the compute dtype)."""
+    decoder = for_decoding(model)
+    decoder.eval()
+    decoder.init_cache(batch, max_len, dtype)
+    return decoder
+
+
+@nnx.jit
+def decode(decoder, ids):
+    """``decoder(ids, decode=True)``: ids int (batch, t) -> logits (batch, t, vocab), the
+    cache advanced by t."""
+    return decoder(ids, decode=True)
+
+
+def sample(logits, key, temperature: float):
+    """Next tokens int32 (batch,) from logits (batch, vocab): argmax at temperature 0,
+    else drawn from softmax(logits / temperature)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"))
+def _generate(graphdef, cache, rest, prompt, key, *, steps, temperature):
+    def logits_of(cache, ids):
+        decoder = nnx.merge(graphdef, cache, rest)
+        logits = decoder(ids, decode=True)[:, -1]
+        return nnx.state(decoder, nnx.Cache), logits
+
+    keys = jax.random.split(key, steps)
+    cache, logits = logits_of(cache, prompt)
+    first = sample(logits, keys[0], temperature)
+
+    def step(carry, k):
+        cache, token = carry
+        cache, logits = logits_of(cache, token[:, None])
+        token = sample(logits, k, temperature)
+        return (cache, token), token
+
+    (cache, _), rest_tokens = jax.lax.scan(step, (cache, first), keys[1:])
+    return jnp.concatenate([first[:, None], rest_tokens.T], axis=1), cache
+
+
+def generate(model, prompt, steps: int, *, temperature: float = 0.0, key=None, max_len: int | None = None,
+             cache_dtype=None):
+    """Tokens int32 (batch, steps) following ``prompt`` int (batch, t).
+
+    One compiled program: the prompt's prefill, then ``steps - 1`` one-token steps in a
+    ``lax.scan``. ``temperature`` 0 is greedy (argmax); above 0, tokens are drawn from
+    ``softmax(logits / temperature)`` with ``key`` (required then). The cache holds
+    ``max_len`` positions (default ``t + steps``).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"generate: steps must be a positive int, got {steps!r}")
+    if not temperature >= 0.0:
+        raise ValueError(f"generate: temperature must be >= 0, got {temperature!r}")
+    if temperature > 0.0 and key is None:
+        raise ValueError("generate: temperature > 0 samples and needs key (a JAX PRNG key)")
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"generate: prompt must be integer (batch, len), got {prompt.dtype}{tuple(prompt.shape)}")
+    b, t = prompt.shape
+    decoder = init_cache(model, b, max_len or t + steps, cache_dtype)
+    graphdef, cache, rest = nnx.split(decoder, nnx.Cache, ...)
+    key = jax.random.key(0) if key is None else key
+    tokens, cache = _generate(graphdef, cache, rest, prompt.astype(jnp.int32), key, steps=steps,
+                              temperature=float(temperature))
+    nnx.update(decoder, cache)
+    return tokens

@@ -1,0 +1,105 @@
+"""KV-cache decoding (flax_models.decode) of the tiny LLaMA and GPT, with jax_ls2 layers
+and the plain-Flax twin, against the full forward pass on the CPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_models as fm
+from flax_models import decode
+from jax_ls2.nn import KVCache
+
+PROMPT, STEPS, BATCH = 4, 4, 2
+
+
+@nnx.jit
+def _full(model, ids):
+    return model(ids)
+
+
+def _model(family, impl):
+    return fm.build(fm.get_config(family, "tiny"), impl=impl, seed=3, train=False)
+
+
+def _ids(family, length, seed=0):
+    vocab = fm.get_config(family, "tiny").vocab_size
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (BATCH, length)), jnp.int32)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("llama", "plain"), ("gpt", "ls2")])
+def test_cached_logits_equal_the_full_forward_at_each_position(family, impl):
+    model = _model(family, impl)
+    ids = _ids(family, PROMPT + STEPS)
+    full = _full(model, ids)
+    decoder = decode.init_cache(model, BATCH, PROMPT + STEPS + 2)
+    got = [decode.decode(decoder, ids[:, :PROMPT])]
+    for i in range(PROMPT, PROMPT + STEPS):
+        got.append(decode.decode(decoder, ids[:, i:i + 1]))
+    got = jnp.concatenate(got, axis=1)
+    assert got.shape == full.shape
+    for i in range(PROMPT + STEPS):  # fp32 both ways; observed ~1e-7
+        assert _rel(got[:, i], full[:, i]) < 1e-5, f"position {i}"
+
+
+@pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("gpt", "plain")])
+def test_greedy_decode_is_the_iterated_argmax_of_the_full_forward(family, impl):
+    """The full forward over prompt + generated tokens is causal, so its logits at
+    position p are those of the prefix up to p: greedy token i must be their argmax at
+    the position before it."""
+    model = _model(family, impl)
+    prompt = _ids(family, PROMPT, seed=1)
+    tokens = decode.generate(model, prompt, STEPS)
+    assert tokens.shape == (BATCH, STEPS) and tokens.dtype == jnp.int32
+    logits = _full(model, jnp.concatenate([prompt, tokens], axis=1))
+    want = jnp.argmax(logits[:, PROMPT - 1:PROMPT + STEPS - 1], axis=-1)
+    np.testing.assert_array_equal(tokens, want)
+
+
+def test_temperature_sampling():
+    model = _model("llama", "ls2")
+    prompt = _ids("llama", PROMPT, seed=2)
+    key = jax.random.key(5)
+    a = decode.generate(model, prompt, STEPS, temperature=1.0, key=key)
+    b = decode.generate(model, prompt, STEPS, temperature=1.0, key=key)
+    np.testing.assert_array_equal(a, b)  # same key, same tokens
+    c = decode.generate(model, prompt, STEPS, temperature=1.0, key=jax.random.key(6))
+    assert not np.array_equal(a, c)
+    # sample() draws from softmax(logits / temperature)
+    logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]]))
+    draws = jax.vmap(lambda k: decode.sample(logits, k, 0.5))(jax.random.split(jax.random.key(0), 4000))[:, 0]
+    freq = np.bincount(np.asarray(draws), minlength=4) / 4000
+    want = np.array([0.1, 0.2, 0.3, 0.4]) ** 2 / np.sum(np.array([0.1, 0.2, 0.3, 0.4]) ** 2)
+    np.testing.assert_allclose(freq, want, atol=0.03)  # 4000 draws: standard error <= 0.008
+    np.testing.assert_array_equal(decode.sample(logits, None, 0.0), [3])
+
+
+def test_cache_is_state_apart_from_the_params():
+    model = _model("llama", "ls2")
+    params = nnx.state(model, nnx.Param)
+    decode.init_cache(model, BATCH, 8)
+    caches = nnx.state(model, KVCache)
+    leaves = jax.tree.leaves(caches)
+    layers = fm.get_config("llama", "tiny").num_layers
+    assert len(leaves) == 3 * layers  # keys, values, index per layer
+    assert {tuple(x.shape) for x in leaves} == {(BATCH, 8, 2, 16), ()}
+    assert jax.tree.structure(nnx.state(model, nnx.Param)) == jax.tree.structure(params)
+
+
+def test_decode_errors():
+    model = _model("llama", "ls2")
+    with pytest.raises(ValueError, match="DecoderLayer: decode=True needs a cache; call init_cache"):
+        model(_ids("llama", 3), decode=True)
+    with pytest.raises(ValueError, match=r"GPTDecoding.init_cache: max_len must be at most the model's max_len \(128"):
+        decode.init_cache(_model("gpt", "plain"), 1, 129)
+    with pytest.raises(ValueError, match="generate: temperature > 0 samples and needs key"):
+        decode.generate(model, _ids("llama", 3), 2, temperature=0.7)
+    with pytest.raises(ValueError, match="generate: steps must be a positive int, got 0"):
+        decode.generate(model, _ids("llama", 3), 0)
+    with pytest.raises(TypeError, match="for_decoding: model must be a flax_models Llama or GPT, got Bert"):
+        decode.for_decoding(_model("bert", "plain"))
