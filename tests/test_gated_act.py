@@ -35,9 +35,10 @@ def mask(key, shape, rate):
 
 
 def inputs(shape, dtype=jnp.float32, seed=0):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    x = (1.5 * jax.random.normal(k1, shape)).astype(dtype)
-    dy = jax.random.normal(k2, shape[:-1] + (shape[-1] // 2,)).astype(dtype)
+    """x and a cotangent of the output from NumPy (no compiled program needed)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(1.5 * rng.standard_normal(shape, np.float32)).astype(dtype)
+    dy = jnp.asarray(rng.standard_normal(shape[:-1] + (shape[-1] // 2,), np.float32)).astype(dtype)
     return x, dy
 
 
@@ -47,14 +48,17 @@ def close(a, b, tol=2e-6):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_matches_plain_formula_with_and_without_dropout(act):
-    for shape in ((4, 32), (3, 5, 246)):
-        x, dy = inputs(shape, seed=shape[-1])
-        close(gated_act_dropout(x, activation=act), plain_gated(x, act))
+    @jax.jit
+    def run(x, dy):
         keep = mask(KEY, dy.shape, RATE)
-        close(gated_act_dropout(x, activation=act, rate=RATE, key=KEY), plain_gated(x, act, keep, RATE))
-        ours = jax.grad(lambda x: jnp.sum(gated_act_dropout(x, activation=act, rate=RATE, key=KEY) * dy))(x)
-        plain = jax.grad(lambda x: jnp.sum(plain_gated(x, act, keep, RATE) * dy))(x)
-        close(ours, plain, 1e-5)
+        ours = lambda x: gated_act_dropout(x, activation=act, rate=RATE, key=KEY)
+        plain = lambda x: plain_gated(x, act, keep, RATE)
+        return ((gated_act_dropout(x, activation=act), plain_gated(x, act), 2e-6), (ours(x), plain(x), 2e-6),
+                (jax.vjp(ours, x)[1](dy)[0], jax.vjp(plain, x)[1](dy)[0], 1e-5))
+
+    for shape in ((4, 32), (3, 5, 246)):
+        for a, b, tol in run(*inputs(shape, seed=shape[-1])):
+            close(a, b, tol)
 
 
 def test_deterministic_and_rate_zero_are_exactly_undropped():
@@ -78,14 +82,11 @@ def test_dropout_statistics_and_keys():
 
 def test_transformations():
     x, dy = inputs((4, 6, 32), seed=2)
-    keep = mask(KEY, dy.shape, RATE)
-    loss = lambda x: jnp.sum(gated_act_dropout(x, rate=RATE, key=KEY) * dy)
-    plain = lambda x: jnp.sum(plain_gated(x, "swiglu", keep, RATE) * dy)
-    close(jax.jit(jax.grad(loss))(x), jax.grad(plain)(x), 1e-5)
     # vmap: every example draws the mask it would draw alone.
-    v = jax.vmap(lambda x: gated_act_dropout(x, rate=RATE, key=KEY))(x)
+    one = lambda x: gated_act_dropout(x, rate=RATE, key=KEY)
+    v, alone = jax.jit(lambda x: (jax.vmap(one)(x), [one(x[i]) for i in range(x.shape[0])]))(x)
     for i in range(x.shape[0]):
-        close(v[i], gated_act_dropout(x[i], rate=RATE, key=KEY))
+        close(v[i], alone[i], 0)
 
     def body(h, k):
         y = jax.checkpoint(lambda h: gated_act_dropout(h, activation="geglu", rate=RATE, key=k))(h)
@@ -95,12 +96,12 @@ def test_transformations():
     scan_loss = lambda x: jnp.sum(jax.lax.scan(body, x, keys)[0] ** 2)
 
     def unrolled(x):
-        for k in keys:
-            y = plain_gated(x, "geglu", mask(k, x.shape[:-1] + (x.shape[-1] // 2,), RATE), RATE)
+        for i in range(len(keys)):
+            y = plain_gated(x, "geglu", mask(keys[i], x.shape[:-1] + (x.shape[-1] // 2,), RATE), RATE)
             x = jnp.concatenate([y, y * 0.5], -1)
         return jnp.sum(x ** 2)
 
-    close(jax.jit(jax.grad(scan_loss))(x), jax.grad(unrolled)(x), 1e-4)
+    close(*jax.jit(lambda x: (jax.grad(scan_loss)(x), jax.grad(unrolled)(x)))(x), 1e-4)
 
 
 def test_row_sharded_jit_draws_the_unsharded_mask_without_all_gather():
@@ -109,9 +110,9 @@ def test_row_sharded_jit_draws_the_unsharded_mask_without_all_gather():
     f = jax.jit(lambda x, dy: jax.value_and_grad(
         lambda x: jnp.sum(gated_act_dropout(x, activation="geglu_tanh", rate=RATE, key=KEY) * dy))(x))
     xs, dys = shard(x, mesh, "data"), shard(dy, mesh, "data")
-    keep = mask(KEY, dy.shape, RATE)
     val, grad = f(xs, dys)
-    pv, pg = jax.value_and_grad(lambda x: jnp.sum(plain_gated(x, "geglu_tanh", keep, RATE) * dy))(x)
+    pv, pg = jax.jit(lambda x, dy: jax.value_and_grad(
+        lambda x: jnp.sum(plain_gated(x, "geglu_tanh", mask(KEY, dy.shape, RATE), RATE) * dy))(x))(x, dy)
     close(val, pv, 1e-5)
     close(grad, pg, 1e-5)
     assert grad.sharding.spec[0] == "data"
