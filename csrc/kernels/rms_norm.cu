@@ -18,10 +18,12 @@
 namespace jax_ls2 {
 namespace {
 
-// Elements a thread holds: the forward 32 with 16-byte accesses (16 scalar), the backward
-// 16 (8 scalar), whose x, dy, weight and dgamma partials all stay in registers.
+// Elements a thread holds: the forward 32 with 16-byte accesses (16 scalar); the backward,
+// whose weight, dgamma partials and current and next rows all stay in registers, 8 (two
+// packs of float32) where a row fits in kMaxThreads threads so, else 16 with 16-byte
+// accesses, and 8 scalar.
 constexpr int kFwdWideElems = 32, kFwdElems = 16;
-constexpr int kBwdWideElems = 16, kBwdElems = 8;
+constexpr int kBwdWideElems = 8, kBwdWideLongElems = 16, kBwdElems = 8;
 constexpr int kMaxThreads = 512;
 constexpr int kLoopThreads = 512;
 // Row groups wider than a warp reduce through shared memory, 64 floats each; there are at
@@ -113,9 +115,13 @@ __global__ void __launch_bounds__(kLoopThreads) RmsNormFwdLoopKernel(RmsNormFwdA
 
 // ------------------------------------------------------------------ backward
 // dx = rstd * (dy * w - xhat * mean(dy * w * xhat)) [+ dsum], xhat = x * rstd, dy the sum
-// of the NDY cotangents; dgamma = sum over rows of dy * xhat.
+// of the NDY cotangents; dgamma = sum over rows of dy * xhat. A row group loads its next
+// row (as raw packs) before it reduces and stores the current one, so loads stay in
+// flight through the row reduction.
 template <typename T, int VEC, int ITEMS, int NDY, bool RES>
 __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a) {
+  using PackT = Pack<T, VEC>;
+  constexpr int NARR = 1 + NDY + (RES ? 1 : 0);  // x, the cotangents of y, then dsum
   __shared__ float scratch[kScratch];
   extern __shared__ float fold[];  // (hidden,)
   const int H = (int)a.hidden;
@@ -137,34 +143,58 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
     }
   }
 
-  for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows; base += (int64_t)gridDim.x * blockDim.y) {
-    const int64_t row = base + threadIdx.y;
+  PackT next[NARR][ITEMS];
+  float next_rstd = 0.f;
+  auto load = [&](int64_t row) {
+    if (row >= a.rows) return;
+    const int64_t off = row * a.hidden;
+    next_rstd = a.rstd[row];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int col = (i * blockDim.x + threadIdx.x) * VEC;
+      if (col < H) {
+        next[0][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.x) + off + col);
+#pragma unroll
+        for (int m = 0; m < NDY; ++m)
+          next[1 + m][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dy[m]) + off + col);
+        if constexpr (RES) next[NARR - 1][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dsum) + off + col);
+      }
+    }
+  };
+
+  const int64_t stride = (int64_t)gridDim.x * blockDim.y;
+  int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  load(row);
+  // The trip count is the same for the whole block (RowSum2 synchronises it).
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows; base += stride, row += stride) {
     const bool valid = row < a.rows;
-    const int64_t off = (valid ? row : 0) * a.hidden;
-    const float rstd = valid ? a.rstd[row] : 0.f;
-    float xh[ITEMS][VEC], dy[ITEMS][VEC], ds[RES ? ITEMS : 1][VEC];
+    const float rstd = valid ? next_rstd : 0.f;
+    PackT cur[NARR][ITEMS];
+#pragma unroll
+    for (int k = 0; k < NARR; ++k)
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) CopyPack(cur[k][i], next[k][i]);
+    load(row + stride);
+
+    float xh[ITEMS][VEC], dy[ITEMS][VEC];
+    float s = 0.f, unused = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int col = (i * blockDim.x + threadIdx.x) * VEC;
       if (valid && col < H) {
-        float more[NDY > 1 ? NDY - 1 : 1][VEC];
-        LoadFloats<T, VEC>(static_cast<const T*>(a.x) + off + col, xh[i]);
-        LoadFloats<T, VEC>(static_cast<const T*>(a.dy[0]) + off + col, dy[i]);
+        UnpackFloats(cur[0][i], xh[i]);
+        UnpackFloats(cur[1][i], dy[i]);
 #pragma unroll
-        for (int m = 1; m < NDY; ++m) LoadFloats<T, VEC>(static_cast<const T*>(a.dy[m]) + off + col, more[m - 1]);
-        if constexpr (RES) LoadFloats<T, VEC>(static_cast<const T*>(a.dsum) + off + col, ds[i]);
+        for (int m = 1; m < NDY; ++m) {
+          float more[VEC];
+          UnpackFloats(cur[1 + m][i], more);
 #pragma unroll
-        for (int m = 1; m < NDY; ++m)
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) dy[i][j] += more[m - 1][j];
+          for (int j = 0; j < VEC; ++j) dy[i][j] += more[j];
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) xh[i][j] = dy[i][j] = 0.f;
       }
-    }
-    float s = 0.f, unused = 0.f;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         xh[i][j] *= rstd;
@@ -175,15 +205,17 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
     RowSum2(s, unused, scratch);
     s *= inv_h;
     if (valid) {
+      const int64_t off = row * a.hidden;
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int col = (i * blockDim.x + threadIdx.x) * VEC;
         if (col < H) {
-          float o[VEC];
+          float o[VEC], ds[VEC];
+          if constexpr (RES) UnpackFloats(cur[NARR - 1][i], ds);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             o[j] = rstd * (dy[i][j] * w[i][j] - xh[i][j] * s);
-            if constexpr (RES) o[j] += ds[i][j];
+            if constexpr (RES) o[j] += ds[j];
           }
           StoreFloats<T, VEC>(static_cast<T*>(a.dx) + off + col, o);
         }
@@ -269,11 +301,13 @@ int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
   return kVec;
 }
 
+// elems: kBwdWideElems or kBwdWideLongElems with 16-byte accesses (wide), else kBwdElems.
 template <typename T, int NDY>
-auto PickBwdKernel(bool wide, bool res) -> void (*)(RmsNormBwdArgs) {
-  constexpr int kVec = kPack<T>;
-  if (wide) return res ? RmsNormBwdKernel<T, kVec, kBwdWideElems / kVec, NDY, true>
-                       : RmsNormBwdKernel<T, kVec, kBwdWideElems / kVec, NDY, false>;
+auto PickBwdKernel(bool wide, int elems, bool res) -> void (*)(RmsNormBwdArgs) {
+  constexpr int kVec = kPack<T>, kShort = kBwdWideElems / kVec, kLong = kBwdWideLongElems / kVec;
+  if (wide && elems == kBwdWideElems) return res ? RmsNormBwdKernel<T, kVec, kShort, NDY, true>
+                                                 : RmsNormBwdKernel<T, kVec, kShort, NDY, false>;
+  if (wide) return res ? RmsNormBwdKernel<T, kVec, kLong, NDY, true> : RmsNormBwdKernel<T, kVec, kLong, NDY, false>;
   return res ? RmsNormBwdKernel<T, 1, kBwdElems, NDY, true> : RmsNormBwdKernel<T, 1, kBwdElems, NDY, false>;
 }
 
@@ -314,7 +348,9 @@ cudaError_t LaunchRmsNormBwd(const RmsNormBwdArgs& a, cudaStream_t stream) {
   const bool res = a.dsum != nullptr;
   bool wide = PickVec<T>(a.hidden, {a.x, a.dsum, a.gamma, a.dx}) == kVec;
   for (int m = 0; m < a.n_dy; ++m) wide = wide && PickVec<T>(a.hidden, {a.dy[m]}) == kVec;
-  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, wide ? kBwdWideElems : kBwdElems);
+  int elems = wide ? kBwdWideElems : kBwdElems;
+  if (wide && ThreadsPerRow(a.hidden, kVec, elems) == 0) elems = kBwdWideLongElems;
+  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, elems);
   int parts = 0;
   if (tpr == 0) {
     parts = (int)std::min<int64_t>(a.rows, a.max_parts);
@@ -324,10 +360,10 @@ cudaError_t LaunchRmsNormBwd(const RmsNormBwdArgs& a, cudaStream_t stream) {
     parts = (int)std::min<int64_t>((a.rows + ry - 1) / ry, a.max_parts);
     void (*k)(RmsNormBwdArgs) = nullptr;
     switch (a.n_dy) {
-      case 1: k = PickBwdKernel<T, 1>(wide, res); break;
-      case 2: k = PickBwdKernel<T, 2>(wide, res); break;
-      case 3: k = PickBwdKernel<T, 3>(wide, res); break;
-      default: k = PickBwdKernel<T, 4>(wide, res); break;
+      case 1: k = PickBwdKernel<T, 1>(wide, elems, res); break;
+      case 2: k = PickBwdKernel<T, 2>(wide, elems, res); break;
+      case 3: k = PickBwdKernel<T, 3>(wide, elems, res); break;
+      default: k = PickBwdKernel<T, 4>(wide, elems, res); break;
     }
     k<<<parts, dim3(tpr, ry), a.hidden * sizeof(float), stream>>>(a);
   }
