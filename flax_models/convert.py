@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint translation for BERT, GPT-2 and ViT.
+"""Hugging Face checkpoint translation for BERT, GPT-2, ViT and LLaMA.
 
 Reads and writes the files of HF's ``save_pretrained`` (``model.safetensors`` or a sharded
 ``model.safetensors.index.json``, plus ``config.json``) with only ``safetensors``, numpy and
@@ -9,7 +9,10 @@ jax -- no torch or transformers:
   bias ``cls.predictions.bias``),
 * ``"gpt"`` (alias ``"gpt2"``) <-> ``GPT2LMHeadModel`` (pre-LN, tanh GELU "gelu_new";
   ``lm_head`` tied to ``wte``),
-* ``"vit"`` <-> ``ViTForImageClassification`` (pre-LN, erf GELU, CLS token, no pooler).
+* ``"vit"`` <-> ``ViTForImageClassification`` (pre-LN, erf GELU, CLS token, no pooler),
+* ``"llama"`` <-> ``LlamaForCausalLM`` (RMSNorm, SwiGLU, rotary in the rotate-half
+  layout, grouped-query attention, no biases; its q/k/v and gate/up weights joined into
+  our ``qkv`` and ``gate_up`` kernels; ``lm_head`` its own or tied).
 
 Layouts. Our ``nnx.Linear`` kernels are (in, out); HF ``nn.Linear`` weights are (out, in)
 and are transposed; GPT-2's ``Conv1D`` weights are already (in, out) and are copied. Our
@@ -44,10 +47,11 @@ from flax import nnx
 
 from flax_models.configs import Config, get_config
 
-FAMILIES = ("bert", "gpt", "vit")
+FAMILIES = ("bert", "gpt", "vit", "llama")
 _ALIASES = {"gpt2": "gpt"}
-_MODEL_TYPE = {"bert": "bert", "gpt": "gpt2", "vit": "vit"}
-_ARCH = {"bert": "BertForMaskedLM", "gpt": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
+_MODEL_TYPE = {"bert": "bert", "gpt": "gpt2", "vit": "vit", "llama": "llama"}
+_ARCH = {"bert": "BertForMaskedLM", "gpt": "GPT2LMHeadModel", "vit": "ViTForImageClassification",
+         "llama": "LlamaForCausalLM"}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -58,6 +62,7 @@ _IGNORED = {
              r"cls\.seq_relationship\..*"],
     "gpt": [r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias"],
     "vit": [r"(vit\.)?embeddings\.position_ids", r"(vit\.)?pooler\..*"],
+    "llama": [r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"],
 }
 
 
@@ -130,7 +135,9 @@ def config_from_hf(family: str, hf_config: dict[str, Any], **overrides) -> Confi
     if mt is not None and mt != _MODEL_TYPE[family]:
         raise ValueError(f"{fn}: family {family!r} expects model_type "
                          f"{_MODEL_TYPE[family]!r}, got {mt!r}")
-    if family == "bert":
+    if family == "llama":
+        cfg = _llama_config_from_hf(fn, hf)
+    elif family == "bert":
         _require(fn, hf, "hidden_act", ["gelu"])
         _require(fn, hf, "position_embedding_type", ["absolute"])
         _require(fn, hf, "is_decoder", [False])
@@ -180,6 +187,8 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     family = _family("config_to_hf", cfg.family)
     base = {"architectures": [_ARCH[family]], "model_type": _MODEL_TYPE[family],
             "dtype": "float32"}
+    if family == "llama":
+        return {**base, **_llama_config_to_hf(cfg)}
     if family == "bert":
         return {**base, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -230,6 +239,8 @@ def _qkv(hf, ours, q="query", k="key", v="value"):
 
 
 def _plan(family: str, cfg: Config) -> list:
+    if family == "llama":
+        return _llama_plan(cfg)
     plan = []
     if family == "bert":
         e = "bert.embeddings"
@@ -282,6 +293,8 @@ def _plan(family: str, cfg: Config) -> list:
 
 def _hf_shapes(kind, shape, cfg):
     """The HF shapes of the tensors behind one of our params of ``shape``."""
+    if isinstance(kind, tuple):
+        return _joined_hf_shapes(kind, shape)
     if kind == "linear":
         return [shape[::-1]]
     if kind == "qkv_w":
@@ -294,6 +307,8 @@ def _hf_shapes(kind, shape, cfg):
 
 
 def _to_ours(kind, ts, cfg):
+    if isinstance(kind, tuple):
+        return jnp.concatenate([t.T for t in ts], axis=1)
     if kind == "copy":
         return ts[0]
     if kind == "linear":
@@ -307,6 +322,8 @@ def _to_ours(kind, ts, cfg):
 
 
 def _to_hf(kind, x, cfg):
+    if isinstance(kind, tuple):
+        return [t.T for t in jnp.split(x, np.cumsum(kind[1])[:-1], axis=1)]
     if kind == "copy":
         return [x]
     if kind == "linear":
@@ -331,7 +348,7 @@ def _expected_shapes(cfg: Config) -> dict:
 def _normalise_keys(family: str, tensors: dict) -> dict:
     """Adds the ``transformer.`` / ``bert.`` / ``vit.`` prefix some checkpoints omit (those
     saved from the base model) and renames TF-era ``gamma``/``beta`` LayerNorm keys."""
-    prefix = {"bert": "bert.", "gpt": "transformer.", "vit": "vit."}[family]
+    prefix = {"bert": "bert.", "gpt": "transformer.", "vit": "vit.", "llama": "model."}[family]
     heads = ("cls.", "lm_head.", "classifier.")
     out = {}
     for k, v in tensors.items():
@@ -371,7 +388,8 @@ def hf_to_params(family: str, tensors: dict[str, Any], cfg: Config) -> dict:
         used.update(keys)
     tied = {"bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                      "cls.predictions.decoder.bias": "cls.predictions.bias"},
-            "gpt": {"lm_head.weight": "transformer.wte.weight"}, "vit": {}}[family]
+            "gpt": {"lm_head.weight": "transformer.wte.weight"}, "vit": {},
+            "llama": {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}}[family]
     for copy, source in tied.items():
         if copy in tensors:
             if not np.array_equal(np.asarray(tensors[copy]), np.asarray(tensors[source])):
@@ -410,6 +428,101 @@ def params_to_hf(family: str, params: dict, cfg: Config) -> dict[str, jnp.ndarra
     return out
 
 
+# --------------------------------------------------------------------------- LLaMA
+#
+# LlamaForCausalLM <-> flax_models.llama.Llama. HF keeps q/k/v and gate/up as separate
+# nn.Linear weights (out, in); ours are one kernel (in, sum of outs) each, so their plan
+# kind is ("joined", (out sizes)): the HF weights transposed and concatenated along our
+# output axis. HF's rotary uses the rotate-half pairs (i, i + head_dim / 2), our
+# ``interleaved=False``, so no weight permutation is needed.
+
+_ROPE_KINDS = {"linear": "linear", "llama3": "llama3"}
+
+
+def _llama_rope_from_hf(fn, hf):
+    """(theta, RotaryScaling or None) from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` / ``rope_scaling`` (transformers 4)."""
+    from jax_ls2.ops import RotaryScaling
+
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in _ROPE_KINDS:
+        raise ValueError(f"{fn}: config.json rope type must be one of {['default', *_ROPE_KINDS]} for our model, "
+                         f"got {kind!r}")
+    if kind == "linear":
+        return theta, RotaryScaling("linear", float(rope["factor"]))
+    return theta, RotaryScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+
+
+def _llama_config_from_hf(fn, hf) -> Config:
+    _require(fn, hf, "hidden_act", ["silu"])
+    _require(fn, hf, "attention_bias", [False])
+    _require(fn, hf, "mlp_bias", [False])
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or h // heads
+    theta, scaling = _llama_rope_from_hf(fn, hf)
+    return get_config("llama").replace(
+        vocab_size=hf["vocab_size"], hidden_size=h, num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim * heads == h else head_dim,
+        ffn_size=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 2048),
+        epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), attn_dropout=hf.get("attention_dropout", 0.0),
+        hidden_dropout=0.0, activation_dropout=0.0)
+
+
+def _llama_config_to_hf(cfg: Config) -> dict:
+    fn = "config_to_hf"
+    if cfg.norm != "rms" or cfg.gated_activation != "swiglu" or cfg.norm_unit_offset or cfg.embed_scale:
+        raise ValueError(f"{fn}: LlamaForCausalLM has RMSNorm, SwiGLU, no unit offset and no embedding scale; got "
+                         f"norm={cfg.norm!r}, gated_activation={cfg.gated_activation!r}, "
+                         f"norm_unit_offset={cfg.norm_unit_offset}, embed_scale={cfg.embed_scale}")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s is not None and s.kind not in _ROPE_KINDS:
+        raise ValueError(f"{fn}: LlamaForCausalLM takes rope scaling {sorted(_ROPE_KINDS)}, got {s.kind!r}")
+    if s is not None:
+        rope.update(rope_type=s.kind, factor=s.factor)
+        if s.kind == "llama3":
+            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position)
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads,
+            "head_dim": cfg.head_dim or cfg.hidden_size // cfg.num_heads, "intermediate_size": cfg.ffn_size,
+            "max_position_embeddings": cfg.max_len, "rms_norm_eps": cfg.epsilon, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
+            "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings}
+
+
+def _llama_plan(cfg: Config) -> list:
+    d = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    q, kv = cfg.num_heads * d, (cfg.num_kv_heads or cfg.num_heads) * d
+    plan = [(("model.embed_tokens.weight",), ("embed", "tokens", "embedding"), "copy")]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}", ("layers", i)
+        a, m = f"{hf}.self_attn", f"{hf}.mlp"
+        plan += [((f"{hf}.input_layernorm.weight",), (*ours, "attn_norm", "scale"), "copy"),
+                 ((f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"), (*ours, "qkv", "kernel"),
+                  ("joined", (q, kv, kv))),
+                 ((f"{a}.o_proj.weight",), (*ours, "out", "kernel"), "linear"),
+                 ((f"{hf}.post_attention_layernorm.weight",), (*ours, "mlp_norm", "scale"), "copy"),
+                 ((f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), (*ours, "gate_up", "kernel"),
+                  ("joined", (cfg.ffn_size, cfg.ffn_size))),
+                 ((f"{m}.down_proj.weight",), (*ours, "down", "kernel"), "linear")]
+    plan.append((("model.norm.weight",), ("final_norm", "scale"), "copy"))
+    if not cfg.tie_embeddings:
+        plan.append((("lm_head.weight",), ("lm_head",), "copy"))
+    return plan
+
+
+def _joined_hf_shapes(kind, shape):
+    """HF (out_i, in) shapes of the weights joined into our (in, sum out_i) kernel."""
+    return [(n, shape[0]) for n in kind[1]]
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -418,7 +531,7 @@ def import_hf(family: str, path_or_dir: str, *, impl: str = "ls2", dtype=None,
     """An HF checkpoint as one of our models.
 
     Args:
-      family: "bert", "gpt" (or "gpt2") or "vit".
+      family: "bert", "gpt" (or "gpt2"), "vit" or "llama".
       path_or_dir: as for `read_hf`.
       impl: "ls2" (jax_ls2 layers) or "plain" (plain Flax).
       dtype: compute dtype (None: from the params). param_dtype: storage dtype (None: the
@@ -448,7 +561,7 @@ def import_hf(family: str, path_or_dir: str, *, impl: str = "ls2", dtype=None,
 def export_hf(model_or_params, cfg: Config, out_dir: str) -> str:
     """Writes ``out_dir/model.safetensors`` (metadata format "pt") and ``out_dir/config.json``
     that ``transformers``' ``from_pretrained`` loads into ``BertForMaskedLM`` /
-    ``GPT2LMHeadModel`` / ``ViTForImageClassification``.
+    ``GPT2LMHeadModel`` / ``ViTForImageClassification`` / ``LlamaForCausalLM``.
 
     ``model_or_params``: one of our models (any impl) or its params nested dict. Tensors
     keep the params' dtype. Returns ``out_dir``.

@@ -1,9 +1,9 @@
 """Make the Hugging Face checkpoint fixtures under tests/fixtures/hf/<family>/.
 
 Needs torch and transformers (not dependencies of jax_ls2; the tests only read the files
-this writes, with safetensors + numpy). For each of BertForMaskedLM, GPT2LMHeadModel and
-ViTForImageClassification it builds a tiny model (hidden 32, 2 layers, small vocab / 32x32
-images with 8x8 patches) from a fixed seed, adds noise to every parameter (so LayerNorm
+this writes, with safetensors + numpy). For each of BertForMaskedLM, GPT2LMHeadModel,
+ViTForImageClassification and LlamaForCausalLM it builds a tiny model (hidden 32, 2
+layers, small vocab / 32x32 images with 8x8 patches) from a fixed seed, adds noise to every parameter (so LayerNorm
 scales and all biases are non-trivial and a swapped or dropped tensor changes the
 logits), saves it with ``save_pretrained`` (``model.safetensors`` + ``config.json``) and
 writes, in fp32 and eval mode:
@@ -12,11 +12,14 @@ writes, in fp32 and eval mode:
   and ``logits.npy`` float32 (2, 7, 99);
 * gpt:  ``input_ids.npy`` int64 (2, 9) and ``logits.npy`` float32 (2, 9, 128);
 * vit:  ``pixel_values.npy`` float32 (2, 3, 32, 32) (NCHW, as HF takes it) and
-  ``logits.npy`` float32 (2, 5).
+  ``logits.npy`` float32 (2, 5);
+* llama: ``input_ids.npy`` int64 (2, 9) and ``logits.npy`` float32 (2, 9, 128) (4 heads
+  over 2 kv heads, untied lm_head, LLaMA 3.1 rope scaling whose original context, 32, is
+  below the longest wavelengths, so the scaling changes the logits).
 
 Usage::
 
-    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--families llama ...]
     python scripts/make_hf_fixtures.py --check-export DIR --family bert
         # load an exported checkpoint with HF's from_pretrained and compare its logits
         # with the fixture's (strict: no missing or unexpected keys)
@@ -72,9 +75,22 @@ def _vit():
     return model, {"pixel_values": px}
 
 
-MAKERS = {"bert": _bert, "gpt": _gpt, "vit": _vit}
+def _llama():
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=48, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, rope_parameters=rope,
+                                   tie_word_embeddings=False, hidden_act="silu")
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = np.random.default_rng(0).integers(0, 128, (2, 9)).astype(np.int64)
+    return model, {"input_ids": ids}
+
+
+MAKERS = {"bert": _bert, "gpt": _gpt, "vit": _vit, "llama": _llama}
 CLASSES = {"bert": "BertForMaskedLM", "gpt": "GPT2LMHeadModel",
-           "vit": "ViTForImageClassification"}
+           "vit": "ViTForImageClassification", "llama": "LlamaForCausalLM"}
 
 
 def _logits(model, inputs):
@@ -83,8 +99,10 @@ def _logits(model, inputs):
     return out.logits.float().numpy()
 
 
-def make(out_root: str):
+def make(out_root: str, families=tuple(MAKERS)):
     for i, (family, maker) in enumerate(MAKERS.items()):
+        if family not in families:
+            continue
         torch.manual_seed(i)
         model, inputs = maker()
         _noise(model, seed=100 + i)
@@ -111,7 +129,7 @@ def check_export(path: str, family: str, fixtures: str):
     model.eval()
     src = os.path.join(fixtures, family)
     names = {"bert": ["input_ids", "token_type_ids", "attention_mask"], "gpt": ["input_ids"],
-             "vit": ["pixel_values"]}[family]
+             "vit": ["pixel_values"], "llama": ["input_ids"]}[family]
     inputs = {n: np.load(os.path.join(src, f"{n}.npy")) for n in names}
     got, want = _logits(model, inputs), np.load(os.path.join(src, "logits.npy"))
     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
@@ -127,6 +145,8 @@ def main():
     ap.add_argument("--out", default=default)
     ap.add_argument("--check-export", metavar="DIR")
     ap.add_argument("--family", choices=sorted(MAKERS))
+    ap.add_argument("--families", nargs="+", choices=sorted(MAKERS), default=sorted(MAKERS),
+                    help="the fixtures to (re)make (default: all)")
     args = ap.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.check_export:
@@ -134,7 +154,7 @@ def main():
             ap.error("--check-export needs --family")
         check_export(args.check_export, args.family, args.out)
     else:
-        make(args.out)
+        make(args.out, args.families)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,98 @@ def test_read_sharded_checkpoint(tmp_path):
     np.testing.assert_allclose(run(model, "gpt"),
                                np.load(os.path.join(fixture("gpt"), "logits.npy")),
                                rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- LLaMA
+# tests/fixtures/hf/llama: LlamaForCausalLM (4 heads over 2 kv heads, untied lm_head,
+# LLaMA 3.1 rope scaling) saved by transformers with its logits.
+
+def _llama_logits(model):
+    ids = jnp.asarray(np.load(os.path.join(fixture("llama"), "input_ids.npy")))
+    return np.asarray(nnx.jit(lambda m, x: m(x))(model, ids), np.float32)
+
+
+@pytest.mark.parametrize("impl", fm.IMPLS)
+def test_llama_import_reproduces_hf_logits(impl):
+    cfg, model = convert.import_hf("llama", fixture("llama"), impl=impl)
+    assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_size, cfg.tie_embeddings) == \
+        ("llama", 4, 2, 48, False)
+    assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.original_max_position == 32
+    want = np.load(os.path.join(fixture("llama"), "logits.npy"))
+    # fp32 on both sides; observed max |diff| ~1e-6 on logits of magnitude ~2
+    np.testing.assert_allclose(_llama_logits(model), want, rtol=1e-4, atol=1e-5)
+    if impl == "ls2":  # the fixture's rope scaling shows in its logits
+        _, unscaled = convert.import_hf("llama", fixture("llama"), impl=impl, rope_scaling=None)
+        assert np.max(np.abs(_llama_logits(unscaled) - want)) > 1e-3
+
+
+def test_llama_export_writes_the_fixture_files(tmp_path):
+    cfg, model = convert.import_hf("llama", fixture("llama"), impl="ls2")
+    out = convert.export_hf(model, cfg, str(tmp_path))
+    want = load_file(os.path.join(fixture("llama"), "model.safetensors"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    with open(os.path.join(out, "config.json")) as f:
+        exported = json.load(f)
+    assert exported["architectures"] == ["LlamaForCausalLM"] and exported["model_type"] == "llama"
+    assert convert.config_from_hf("llama", exported) == cfg
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_export_then_import_is_identity(tie, tmp_path):
+    cfg = fm.get_config("llama", vocab_size=77, hidden_size=48, num_heads=6, num_kv_heads=3, ffn_size=40,
+                        max_len=40, tie_embeddings=tie, rope_theta=500000.0)
+    model = fm.build(cfg, impl="plain", seed=3, train=False)
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    convert.export_hf(model, cfg, str(tmp_path))
+    assert ("lm_head.weight" in load_file(str(tmp_path / "model.safetensors"))) is not tie
+    cfg2, model2 = convert.import_hf("llama", str(tmp_path), impl="ls2")
+    assert cfg2 == cfg
+    after = nnx.to_pure_dict(nnx.state(model2, nnx.Param))
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), before, after)
+
+
+def test_llama_layouts_and_errors():
+    tensors, hf_cfg = convert.read_hf(fixture("llama"))
+    cfg = convert.config_from_hf("llama", hf_cfg)
+    params = convert.hf_to_params("llama", tensors, cfg)
+    a = "model.layers.1.self_attn"
+    qkv = params["layers"][1]["qkv"]["kernel"]  # [q (32) | k (16) | v (16)] along the output axis
+    np.testing.assert_array_equal(qkv[:, 32:48], tensors[f"{a}.k_proj.weight"].T)
+    np.testing.assert_array_equal(qkv[:, 48:], tensors[f"{a}.v_proj.weight"].T)
+    gate_up = params["layers"][0]["gate_up"]["kernel"]
+    np.testing.assert_array_equal(gate_up[:, 48:], tensors["model.layers.0.mlp.up_proj.weight"].T)
+    # older checkpoints store the rotary inv_freq buffers; skipped
+    legacy = {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": jnp.ones((4,))}
+    got = convert.hf_to_params("llama", legacy, cfg)
+    assert jax.tree_util.tree_all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), got, params))
+    with pytest.raises(ValueError, match=r"k_proj.weight must have shape \(8, 32\)"):
+        convert.hf_to_params("llama", tensors, cfg.replace(num_kv_heads=1))
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        convert.config_from_hf("llama", {**hf_cfg, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="rope type must be one of"):
+        convert.config_from_hf("llama", {**hf_cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    v4 = {k: v for k, v in hf_cfg.items() if k != "rope_parameters"}
+    v4.update(rope_theta=10000.0, rope_scaling={k: v for k, v in hf_cfg["rope_parameters"].items()
+                                                if k != "rope_theta"})
+    assert convert.config_from_hf("llama", v4) == cfg  # transformers 4's keys
+    with pytest.raises(ValueError, match="config_to_hf: LlamaForCausalLM has RMSNorm, SwiGLU"):
+        convert.config_to_hf(cfg.replace(gated_activation="geglu_tanh"))
+
+
+def test_llama_export_loads_in_transformers(tmp_path):
+    """The exported checkpoint in transformers' own LlamaForCausalLM: every key loaded,
+    the fixture's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg, model = convert.import_hf("llama", fixture("llama"), impl="ls2")
+    convert.export_hf(model, cfg, str(tmp_path))
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.from_numpy(np.load(os.path.join(fixture("llama"), "input_ids.npy")))
+    with torch.no_grad():
+        got = hf.eval()(input_ids=ids).logits.float().numpy()
+    np.testing.assert_allclose(got, np.load(os.path.join(fixture("llama"), "logits.npy")), rtol=1e-5, atol=1e-6)
