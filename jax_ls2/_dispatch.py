@@ -18,8 +18,16 @@ Operands and results are described by `Role`s:
 * ``PARAM``: replicated (weights such as LayerNorm's gamma).
 * ``SEED``: the uint32[3] dropout seed (replicated; under partitioning its offset
   word is advanced by the shard's position so shards draw different masks).
+* ``OFFSETS``: uint32[ndim] of the first ROWS operand: the global coordinate of its first
+  element along each dim (`jax_ls2._random`'s numbering; zeros for a whole array).
+  Under partitioning a sharded dim's entry is advanced by the shard's index times its
+  local extent. A seeded kernel with OFFSETS numbers its mask by global coordinates,
+  so every lead dim may stay sharded (without it, only the first one may).
 * ``SUM`` (results only): reduced over all lead dims (parameter gradients); summed
   across shards with ``psum``.
+* ``BCAST_SUM`` (results only): shaped like a BCAST operand, reduced over the lead dims
+  where it has size 1 (a bias gradient ``(1, ..., 1, hidden)`` with hidden sharded);
+  summed across the shards of those dims.
 * ``MAX`` (results only): a maximum over all lead dims (an FP8 amax); max-reduced
   across shards with ``pmax``.
 * ``COLS`` (results only): shape ``(*tail, *lead)``, a ROWS array transposed (the
@@ -50,6 +58,7 @@ from jax_ls2 import _ffi
 
 ROWS, BCAST, PARAM, SEED, SUM = "rows", "bcast", "param", "seed", "sum"
 MAX, COLS = "max", "cols"
+OFFSETS, BCAST_SUM = "offsets", "bcast_sum"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +199,7 @@ class FusedKernel:
             raise ValueError(f"{name}: a FusedKernel needs at least one ROWS operand")
         self._rows_index = rows[0]
         self._seed_index = next((i for i, r in enumerate(self.operands) if r.kind == SEED), None)
+        self._offsets_index = next((i for i, r in enumerate(self.operands) if r.kind == OFFSETS), None)
 
     def cuda(self, *arrays, **static):
         """The FFI call of target ``name`` on ``arrays``; its workspace results dropped."""
@@ -226,7 +236,8 @@ class FusedKernel:
         # sharded (the others are gathered), so masks match the unsharded ones. With the
         # static ``seq_first=True`` the rows are (len, batch) and numbered as their
         # (batch, len) transpose: there the batch dim (1) is the one that may stay sharded.
-        seeded = kernel._seed_index is not None
+        # A kernel with an OFFSETS operand numbers by global coordinates: no such limit.
+        seeded = kernel._seed_index is not None and kernel._offsets_index is None
         seed_dim = 1 if static.get("seq_first") else 0
 
         def lead_spec_of(arg_shapes):
@@ -241,7 +252,7 @@ class FusedKernel:
         def spec_for(role, shape, lead_spec, lead_shape):
             if role.kind == ROWS:
                 return P(*lead_spec, *([None] * role.tail))
-            if role.kind == BCAST:
+            if role.kind in (BCAST, BCAST_SUM):
                 dims = [lead_spec[i] if shape[i] == lead_shape[i] and shape[i] > 1 else None
                         for i in range(len(lead_spec))]
                 return P(*dims, *([None] * role.tail))
@@ -264,9 +275,24 @@ class FusedKernel:
                     continue
                 axes += list(entry) if isinstance(entry, tuple) else [entry]
 
+            def shard_index(entry):
+                names = () if entry is None else (tuple(entry) if isinstance(entry, tuple) else (entry,))
+                index = jnp.zeros((), jnp.uint32)
+                for name in names:
+                    index = index * mesh.shape[name] + jax.lax.axis_index(name).astype(jnp.uint32)
+                return index, names
+
             def lower_fn(*args):
                 args = list(args)
-                if axes and kernel._seed_index is not None:
+                if kernel._offsets_index is not None:
+                    local = args[kernel._rows_index].shape
+                    offsets = args[kernel._offsets_index]
+                    for d, entry in enumerate(lead_spec):
+                        index, names = shard_index(entry)
+                        if names:
+                            offsets = offsets.at[d].add(index * jnp.uint32(local[d]))
+                    args[kernel._offsets_index] = offsets
+                elif axes and kernel._seed_index is not None:
                     shard = 0
                     for name in axes:
                         shard = shard * mesh.shape[name] + jax.lax.axis_index(name)
@@ -276,9 +302,15 @@ class FusedKernel:
                         (shard * local).astype(jnp.uint32))
                 outs = impl(*args)
                 outs = tuple(jax.lax.psum(o, tuple(axes)) if r.kind == SUM and axes else
-                             jax.lax.pmax(o, tuple(axes)) if r.kind == MAX and axes else o
+                             jax.lax.pmax(o, tuple(axes)) if r.kind == MAX and axes else
+                             psum_bcast(o, lead_spec) if r.kind == BCAST_SUM else o
                              for r, o in zip(kernel.results, outs))
                 return outs
+
+            def psum_bcast(o, lead_spec):
+                names = tuple(n for d, entry in enumerate(lead_spec) if o.shape[d] == 1
+                              for n in shard_index(entry)[1])
+                return jax.lax.psum(o, names) if names else o
 
             return mesh, lower_fn, result_shardings, arg_shardings
 
@@ -300,7 +332,7 @@ class FusedKernel:
                 if role.kind == ROWS:
                     return tuple(f"b{i}" if shared(i) else fresh() for i in range(lead)) + \
                         tuple(fresh() for _ in range(role.tail))
-                if role.kind == BCAST:
+                if role.kind in (BCAST, BCAST_SUM):
                     dims = tuple(f"b{i}" if shared(i) and shape[i] == lead_shape[i] and shape[i] > 1 else fresh()
                                  for i in range(lead))
                     return dims + tuple(fresh() for _ in range(role.tail))
@@ -333,7 +365,7 @@ class FusedKernel:
         def rule(axis_size, in_batched, *args):
             foldable = not one_by_one and all(not b or r.kind in (ROWS, BCAST)
                                               for b, r in zip(in_batched, kernel.operands))
-            foldable = foldable and all(r.kind not in (SUM, MAX, COLS) for r in kernel.results)
+            foldable = foldable and all(r.kind not in (SUM, MAX, COLS, BCAST_SUM) for r in kernel.results)
             if foldable:
                 folded = []
                 for a, b, r in zip(args, in_batched, kernel.operands):

@@ -99,3 +99,179 @@ def add_wide(hi, lo, x):
     x = jnp.asarray(x, jnp.uint32)
     s = lo + x
     return hi + (s < lo).astype(jnp.uint32), s
+
+
+# ---------------------------------------------------------------- global numbering
+# The one numbering of every dropout mask: an array (or a shard of it) is a box of a global
+# array, and its element at local coordinates ``i`` is numbered
+#
+#     g = sum_k (offsets[k] + i[k]) * strides[k]        (mod 2**64)
+#
+# ``offsets`` the box's first global coordinate per dim (the shard's position, zeros for a
+# whole array; traced uint32), ``strides`` the global element stride per dim (static ints:
+# the row-major strides of the global shape, or of a transpose of it, such as the
+# batch-first numbering of sequence-first activations). Element g is kept iff
+# ``keep_bits_wide(k0, k1, g >> 32, g & 0xFFFFFFFF, threshold)``. Below 2**32 elements
+# this is the 32-bit generator on the flat row-major index; flash attention's index over
+# ``(batch, heads, q_total, kv_total)`` with offsets ``(b0, 0, q_offset, kv_offset)`` is
+# the same numbering. The kernels receive it as a 64-bit base (`kernel_seed`) and a row
+# map (`row_map`): row r of the local array starts at ``base + sum digit_k(r) *
+# stride_k`` over merged leading dims, and its element c is that plus c.
+MAX_ROW_DIMS = 6  # merged leading dims a kernel's row map holds (kMaskMaxRowDims in common.cuh)
+
+
+def row_major_strides(shape, order=None) -> tuple:
+    """Global element strides of each dim of ``shape`` (Python ints) when the elements are
+    numbered row-major in the dim order ``order`` (outermost first; default the dims'
+    own order). ``order=(1, 0, 2)`` numbers a ``(len, batch, hidden)`` array as its
+    ``(batch, len, hidden)`` transpose."""
+    shape = tuple(int(d) for d in shape)
+    order = tuple(range(len(shape))) if order is None else tuple(order)
+    strides = [0] * len(shape)
+    s = 1
+    for d in reversed(order):
+        strides[d] = s
+        s *= shape[d]
+    return tuple(strides)
+
+
+def _split64(v: int):
+    v = int(v) % 2**64
+    return np.uint32(v >> 32), np.uint32(v & 0xFFFFFFFF)
+
+
+def _add64(a, b):
+    """(hi, lo) + (hi, lo), mod 2**64."""
+    lo = a[1] + b[1]
+    return a[0] + b[0] + (lo < a[1]).astype(jnp.uint32), lo
+
+
+def _mul64(x, stride: int):
+    """(hi, lo) of uint32 array ``x`` times the static 64-bit ``stride``, mod 2**64."""
+    s_hi, s_lo = _split64(stride)
+    hi, lo = mul_wide(x, s_lo)
+    return hi + jnp.asarray(x, jnp.uint32) * s_hi, lo
+
+
+def flat_index(coords, strides):
+    """(hi, lo) uint32 words of ``g = sum_k coords[k] * strides[k]`` (mod 2**64):
+    ``coords`` uint32 arrays (broadcast together) of global coordinates, ``strides``
+    static ints. Any global shape: no array of the global shape is ever made."""
+    coords = [jnp.asarray(c, jnp.uint32) for c in coords]
+    shape = jnp.broadcast_shapes(*(c.shape for c in coords)) if coords else ()
+    acc = (jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32))
+    for c, s in zip(coords, strides):
+        if int(s):
+            acc = _add64(acc, _mul64(c, s))
+    return acc
+
+
+def element_index(offsets, local_shape, strides):
+    """(hi, lo) uint32 arrays of ``local_shape``: the global number of every element of
+    the box starting at ``offsets`` (uint32[ndim])."""
+    n = len(local_shape)
+    offsets = jnp.asarray(offsets, jnp.uint32)
+    coords = [(offsets[k] + jnp.arange(d, dtype=jnp.uint32)).reshape((1,) * k + (d,) + (1,) * (n - k - 1))
+              for k, d in enumerate(local_shape)]
+    hi, lo = flat_index(coords, strides)
+    return jnp.broadcast_to(hi, tuple(local_shape)), jnp.broadcast_to(lo, tuple(local_shape))
+
+
+def keep_mask_at(seed, offsets, local_shape, strides, threshold: int) -> jax.Array:
+    """Boolean keep mask of the box ``local_shape`` at ``offsets`` of the global array
+    numbered by ``strides``; ``seed`` the uint32[3] of `seed_words` (its third word is
+    not used: the offsets say where the box is)."""
+    hi, lo = element_index(offsets, local_shape, strides)
+    return keep_bits_wide(seed[0], seed[1], hi, lo, threshold)
+
+
+def kernel_seed(seed, offsets, strides) -> jax.Array:
+    """uint32[4] ``(k0, k1, base_lo, base_hi)`` the kernels take: the key words and the
+    64-bit number of the box's first element."""
+    offsets = jnp.asarray(offsets, jnp.uint32)
+    hi, lo = flat_index([offsets[k] for k in range(len(strides))], strides)
+    return jnp.stack([jnp.asarray(seed[0], jnp.uint32), jnp.asarray(seed[1], jnp.uint32), lo, hi])
+
+
+def row_map(local_shape, strides):
+    """The kernels' row map: ``(extents, strides)`` tuples of the merged leading dims
+    (all but the last, whose stride must be 1) of a box ``local_shape``; size-1 dims
+    dropped, and a dim merged into the one before it where that one's stride is its
+    extent times its stride. At least one entry (``((1,), (0,))`` without leading dims)."""
+    if local_shape and int(strides[-1]) != 1 and int(local_shape[-1]) > 1:
+        raise ValueError(f"row_map: the last dim must have global stride 1, got strides {tuple(strides)}")
+    merged = []
+    for e, s in zip(local_shape[:-1], strides[:-1]):
+        e, s = int(e), int(s)
+        if e == 1:
+            continue
+        if merged and merged[-1][1] == e * s:
+            merged[-1] = (merged[-1][0] * e, s)
+        else:
+            merged.append((e, s))
+    if not merged:
+        merged = [(1, 0)]
+    if len(merged) > MAX_ROW_DIMS:
+        raise ValueError(f"row_map: a box {tuple(local_shape)} with global strides {tuple(strides)} needs "
+                         f"{len(merged)} row dims, more than the kernels' {MAX_ROW_DIMS}")
+    return tuple(e for e, _ in merged), tuple(s for _, s in merged)
+
+
+def shard_box(op: str, local_shape, shard_spec):
+    """Inside ``shard_map``: ``(offsets, global_shape)`` of this device's block of an
+    array split as ``shard_spec`` says (its ``in_specs`` entry: per dim, None, a mesh
+    axis name or a tuple of names, the first one outermost). ``None``: the local array
+    is the whole array (offsets zero)."""
+    n = len(local_shape)
+    if shard_spec is None:
+        return jnp.zeros((n,), jnp.uint32), tuple(int(d) for d in local_shape)
+    spec = tuple(shard_spec)
+    if len(spec) > n:
+        raise ValueError(f"{op}: shard_spec must have at most {n} entries (one per dim), got {shard_spec!r}")
+    spec = spec + (None,) * (n - len(spec))
+    offsets, global_shape = [], []
+    for d, entry in zip(local_shape, spec):
+        names = () if entry is None else (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+        index, size = jnp.zeros((), jnp.uint32), 1
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"{op}: shard_spec entries must be None, a mesh axis name or a tuple of names, "
+                                f"got {entry!r}")
+            try:
+                axis_size = jax.lax.axis_size(name)
+            except NameError:
+                raise ValueError(f"{op}: shard_spec names the axis {name!r}, which is not a manual axis of the "
+                                 f"enclosing shard_map") from None
+            index = index * np.uint32(axis_size) + jax.lax.axis_index(name).astype(jnp.uint32)
+            size *= int(axis_size)
+        offsets.append(index * np.uint32(d))
+        global_shape.append(int(d) * size)
+    return jnp.stack(offsets) if offsets else jnp.zeros((0,), jnp.uint32), tuple(global_shape)
+
+
+def numbering(op: str, local_shape, shard_spec, threshold: int, order=None):
+    """``(offsets, strides)`` numbering the mask of an array of ``local_shape`` by its
+    global coordinates: inside ``shard_map`` with ``shard_spec``, those of this
+    device's block (`shard_box`); ``order`` the numbering's dim order (see
+    `row_major_strides`). Without dropout (threshold 0): zeros and no strides."""
+    offsets, global_shape = shard_box(op, local_shape, shard_spec)
+    if not threshold:
+        return jnp.zeros_like(offsets), ()
+    if int(np.prod(global_shape, dtype=object)) >= 2**63:
+        raise ValueError(f"{op}: the whole array must have fewer than 2**63 elements to number its dropout mask, "
+                         f"got shape {global_shape}")
+    return offsets, row_major_strides(global_shape, order)
+
+
+def kernel_row_attrs(local_shape, threshold: int, strides) -> dict:
+    """The FFI attributes ``row_extents``, ``row_strides`` (int64 arrays) of a kernel's
+    row map (`row_map`); a single row dim when nothing is dropped."""
+    extents, row_strides = row_map(local_shape, strides) if threshold else ((1,), (0,))
+    return dict(row_extents=np.asarray(extents, np.int64), row_strides=np.asarray(row_strides, np.int64))
+
+
+def kernel_operands(*arrays, strides, **static):
+    """A kernel's FFI operands from its arrays ``(..., seed, offsets)``: the pair replaced
+    by the uint32[4] `kernel_seed` (a `jax_ls2._dispatch.FusedKernel` ``ffi_operands``)."""
+    *rest, seed, offsets = arrays
+    return (*rest, kernel_seed(seed, offsets, strides))

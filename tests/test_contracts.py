@@ -101,6 +101,7 @@ def _mirrors():
         rows.append((f"optim._abi.{py}", getattr(_abi, py), f"optim::{cpp}", same))
     rows.append(("ops.layer_norm._MAX_PARTS", layer_norm_ops._MAX_PARTS, "kMaxPartialRows", same))
     rows.append(("ops.dropout._MAX_PARTS", dropout_ops._MAX_PARTS, "kMaxPartialRows", same))
+    rows.append(("_random.MAX_ROW_DIMS", _random.MAX_ROW_DIMS, "kMaskMaxRowDims", same))
     rows.append(("ops.fp8_cast._MAX_PARTS", fp8_cast_ops._MAX_PARTS, "kMaxPartialRows", same))
     # MAX_COPIES: y and the extra cotangents the backward kernel adds to it.
     rows.append(("ops.layer_norm.MAX_COPIES", layer_norm_ops.MAX_COPIES, "kLayerNormMaxExtraDy", lambda v: v + 1))

@@ -128,12 +128,13 @@ def test_transformations():
     kw = dict(scale=0.5, bias=bias, mask=mask, rate=0.1, key=key)
     f = lambda s: softmax_dropout(s, **kw)
     np.testing.assert_allclose(jax.jit(f)(s), plain(s, **kw), rtol=2e-6, atol=1e-7)
-    # vmap over a leading axis folds it into the batch: the same as the op on the
-    # stacked array (same flat element indices, so the same dropout mask).
+    # vmap with dropout: each example draws the mask it draws alone (as jax.random does).
     sv = s.reshape(2, 2, 2, 3, 8)
     mv = mask.reshape(2, 2, 1, 1, 8)
-    yv = jax.jit(jax.vmap(lambda s, m: softmax_dropout(s, scale=0.5, bias=bias, mask=m, rate=0.1, key=key)))(sv, mv)
-    np.testing.assert_allclose(yv.reshape(s.shape), f(s), rtol=2e-6, atol=1e-7)
+    one = lambda s, m: softmax_dropout(s, scale=0.5, bias=bias, mask=m, rate=0.1, key=key)
+    yv = jax.jit(jax.vmap(one))(sv, mv)
+    for i in range(2):
+        np.testing.assert_allclose(yv[i], one(sv[i], mv[i]), rtol=2e-6, atol=1e-7)
     # vmap over keys: each key its own mask.
     keys = jax.random.split(key, 3)
     yk = jax.jit(jax.vmap(lambda k: softmax_dropout(s, scale=0.5, rate=0.3, key=k)))(keys)

@@ -1,5 +1,6 @@
 // XLA FFI handlers for the token + position embedding with dropout.
 #include "ffi/common.h"
+#include "ffi/mask_numbering.h"
 #include "ffi/registry.h"
 #include "kernels/embedding.h"
 
@@ -8,6 +9,12 @@ namespace {
 
 const int32_t* I32(const ffi::AnyBuffer& b) { return static_cast<const int32_t*>(b.untyped_data()); }
 
+ffi::Error CheckSeed(const char* op, const ffi::AnyBuffer& seed) {
+  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 4)
+    return ffi::Error::InvalidArgument(std::string(op) + ": seed must be uint32[4] (k0, k1, base_lo, base_hi)");
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckInt(const char* op, const char* name, const ffi::AnyBuffer& b, int64_t n) {
   if (b.element_type() != ffi::DataType::S32 || (int64_t)b.element_count() != n)
     return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be int32 with one entry per row");
@@ -15,14 +22,18 @@ ffi::Error CheckInt(const char* op, const char* name, const ffi::AnyBuffer& b, i
 }
 
 // Args: ids (rows...) s32, positions (rows...) s32, table (V, H), pos_table (P, H) (same dtype as
-//       table), inv_freq (H/2 or 1,) f32, seed (3,) u32
+//       table), inv_freq (H/2 or 1,) f32, seed (4,) u32
 // Rets: out (rows..., H) in the output dtype
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer positions, ffi::AnyBuffer table,
                    ffi::AnyBuffer pos_table, ffi::AnyBuffer inv_freq, ffi::AnyBuffer seed,
                    ffi::Result<ffi::AnyBuffer> out, float scale, int64_t pos_mode, int64_t padding_idx,
-                   bool has_padding, int64_t threshold, float keep_scale) {
+                   bool has_padding, int64_t threshold, float keep_scale, Int64s row_extents,
+                   Int64s row_strides) {
   const char* op = "embedding";
   const int64_t rows = ids.element_count();
+  MaskRows numbering;
+  if (auto e = CheckSeed(op, seed); e.failure()) return e;
+  if (auto e = MaskRowsAttr(op, rows, row_extents, row_strides, &numbering); e.failure()) return e;
   auto tdims = table.dimensions();
   auto pdims = pos_table.dimensions();
   if (tdims.size() != 2 || pdims.size() != 2 || pdims[1] != tdims[1])
@@ -39,7 +50,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer posit
                      static_cast<const float*>(inv_freq.untyped_data()), I32(ids), I32(positions),
                      static_cast<const uint32_t*>(seed.untyped_data()), out->untyped_data(), rows, tdims[1],
                      tdims[0], pdims[0], (int)pos_mode, scale, padding_idx, has_padding,
-                     (uint32_t)threshold, keep_scale};
+                     (uint32_t)threshold, keep_scale, numbering};
   PoisonOutputs(stream, out);
   return DispatchFloat(table.element_type(), op, [&](auto tt) -> ffi::Error {
     using TT = decltype(tt);
@@ -50,7 +61,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer posit
   });
 }
 
-// Args: dout (rows..., H), ids (rows...) s32, positions (rows...) s32, seed (3,) u32,
+// Args: dout (rows..., H), ids (rows...) s32, positions (rows...) s32, seed (4,) u32,
 //       tok_order (rows...) s32, pos_order (rows...) s32 (row indices sorted by id / position;
 //       read only when deterministic)
 // Rets: dtable (V, H) f32, dpos (P, H) f32 (written when pos_mode is learned)
@@ -58,9 +69,12 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer ids,
                    ffi::AnyBuffer seed, ffi::AnyBuffer tok_order, ffi::AnyBuffer pos_order,
                    ffi::Result<ffi::AnyBuffer> dtable, ffi::Result<ffi::AnyBuffer> dpos, float scale,
                    int64_t pos_mode, int64_t padding_idx, bool has_padding, int64_t threshold, float keep_scale,
-                   bool deterministic) {
+                   bool deterministic, Int64s row_extents, Int64s row_strides) {
   const char* op = "embedding backward";
   const int64_t rows = ids.element_count();
+  MaskRows numbering;
+  if (auto e = CheckSeed(op, seed); e.failure()) return e;
+  if (auto e = MaskRowsAttr(op, rows, row_extents, row_strides, &numbering); e.failure()) return e;
   auto tdims = dtable->dimensions();
   auto pdims = dpos->dimensions();
   if (tdims.size() != 2 || pdims.size() != 2 || dtable->element_type() != ffi::DataType::F32 ||
@@ -78,7 +92,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer ids,
                      deterministic ? I32(tok_order) : nullptr, deterministic ? I32(pos_order) : nullptr,
                      static_cast<float*>(dtable->untyped_data()),
                      learned ? static_cast<float*>(dpos->untyped_data()) : nullptr, rows, tdims[1], tdims[0],
-                     pdims[0], scale, padding_idx, has_padding, (uint32_t)threshold, keep_scale};
+                     pdims[0], scale, padding_idx, has_padding, (uint32_t)threshold, keep_scale, numbering};
   if (!learned) {  // keep the (unused) dpos defined
     cudaError_t err = cudaMemsetAsync(dpos->untyped_data(), 0, dpos->element_count() * sizeof(float), stream);
     if (err != cudaSuccess) return CudaStatus(op, err);
@@ -106,7 +120,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmbeddingFwd, FwdImpl,
                                   .Attr<int64_t>("padding_idx")
                                   .Attr<bool>("has_padding")
                                   .Attr<int64_t>("threshold")
-                                  .Attr<float>("keep_scale"),
+                                  .Attr<float>("keep_scale")
+                                  .Attr<Int64s>("row_extents")   // the rows' numbering (common.cuh, MaskRows)
+                                  .Attr<Int64s>("row_strides"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmbeddingBwd, BwdImpl,
@@ -126,7 +142,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EmbeddingBwd, BwdImpl,
                                   .Attr<bool>("has_padding")
                                   .Attr<int64_t>("threshold")
                                   .Attr<float>("keep_scale")
-                                  .Attr<bool>("deterministic"),
+                                  .Attr<bool>("deterministic")
+                                  .Attr<Int64s>("row_extents")   // the rows' numbering (common.cuh, MaskRows)
+                                  .Attr<Int64s>("row_strides"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_LS2_REGISTER("jax_ls2_embedding_fwd", EmbeddingFwd);

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "ffi/common.h"
+#include "ffi/mask_numbering.h"
 #include "ffi/registry.h"
 #include "kernels/softmax.h"
 
@@ -40,7 +41,7 @@ ffi::Error BroadcastStrides(const char* op, const char* name, const ffi::AnyBuff
 ffi::Error BuildProblem(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
                         const ffi::AnyBuffer& mask, const ffi::AnyBuffer& seed, float* stats, float scale,
                         int32_t threshold, float keep_scale, bool causal, bool has_bias, bool has_mask,
-                        SoftmaxProblem* p) {
+                        Int64s row_extents, Int64s row_strides, SoftmaxProblem* p) {
   auto xd = x.dimensions();
   const size_t r = xd.size();
   if (r < 2) return ffi::Error::InvalidArgument(std::string(op) + ": scores must have rank >= 2");
@@ -61,8 +62,9 @@ ffi::Error BuildProblem(const char* op, const ffi::AnyBuffer& x, const ffi::AnyB
   p->threshold = (uint32_t)threshold;
   p->keep_scale = keep_scale;
   p->causal = causal;
-  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 3)
-    return ffi::Error::InvalidArgument(std::string(op) + ": seed must be uint32[3]");
+  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 4)
+    return ffi::Error::InvalidArgument(std::string(op) + ": seed must be uint32[4] (k0, k1, base_lo, base_hi)");
+  if (auto e = MaskRowsAttr(op, p->rows, row_extents, row_strides, &p->numbering); e.failure()) return e;
   p->seed = static_cast<const uint32_t*>(seed.untyped_data());
 
   std::vector<int64_t> bs(r, 0), ms(r, 0);
@@ -108,16 +110,16 @@ ffi::Error BuildProblem(const char* op, const ffi::AnyBuffer& x, const ffi::AnyB
 }
 
 // Args: scores (..., q, k) T; bias (same rank, each dim 1 or equal) T or f32 (ignored
-//       unless has_bias); mask (same rank) bool (ignored unless has_mask); seed u32[3]
+//       unless has_bias); mask (same rank) bool (ignored unless has_mask); seed u32[4]
 // Rets: y (..., q, k) T; stats (..., q, 2) f32 = (row max of the logits, 1 / row sum)
 ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                           ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> stats,
                           float scale, int32_t threshold, float keep_scale, bool causal, bool has_bias,
-                          bool has_mask) {
+                          bool has_mask, Int64s row_extents, Int64s row_strides) {
   const char* op = "softmax_dropout";
   SoftmaxFwdArgs a{};
   if (auto e = BuildProblem(op, x, bias, mask, seed, static_cast<float*>(stats->untyped_data()), scale, threshold,
-                            keep_scale, causal, has_bias, has_mask, &a.p);
+                            keep_scale, causal, has_bias, has_mask, row_extents, row_strides, &a.p);
       e.failure())
     return e;
   if (stats->element_count() != a.p.rows * 2 || stats->element_type() != ffi::DataType::F32)
@@ -130,16 +132,18 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   });
 }
 
-// Args: dy (..., q, k) T; scores (..., q, k) T; bias; mask; stats (..., q, 2) f32; seed u32[3]
+// Args: dy (..., q, k) T; scores (..., q, k) T; bias; mask; stats (..., q, 2) f32; seed u32[4]
 // Rets: dx (..., q, k) T = grad_scale * p * (g - sum(g * p)), g = dy * keep * keep_scale
 ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                           ffi::AnyBuffer mask, ffi::AnyBuffer stats, ffi::AnyBuffer seed,
                           ffi::Result<ffi::AnyBuffer> dx, float scale, float grad_scale, int32_t threshold,
-                          float keep_scale, bool causal, bool has_bias, bool has_mask) {
+                          float keep_scale, bool causal, bool has_bias, bool has_mask, Int64s row_extents,
+                          Int64s row_strides) {
   const char* op = "softmax_dropout backward";
   SoftmaxBwdArgs a{};
   if (auto e = BuildProblem(op, x, bias, mask, seed, const_cast<float*>(static_cast<const float*>(stats.untyped_data())),
-                            scale, threshold, keep_scale, causal, has_bias, has_mask, &a.p);
+                            scale, threshold, keep_scale, causal, has_bias, has_mask, row_extents, row_strides,
+                            &a.p);
       e.failure())
     return e;
   if (stats.element_count() != a.p.rows * 2 || stats.element_type() != ffi::DataType::F32)
@@ -172,7 +176,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxDropoutFwd, SoftmaxFwdImpl,
                                   .Attr<float>("keep_scale")
                                   .Attr<bool>("causal")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask"),
+                                  .Attr<bool>("has_mask")
+                                  .Attr<Int64s>("row_extents")   // the rows' numbering (common.cuh, MaskRows)
+                                  .Attr<Int64s>("row_strides"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxDropoutBwd, SoftmaxBwdImpl,
@@ -191,7 +197,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxDropoutBwd, SoftmaxBwdImpl,
                                   .Attr<float>("keep_scale")
                                   .Attr<bool>("causal")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask"),
+                                  .Attr<bool>("has_mask")
+                                  .Attr<Int64s>("row_extents")   // the rows' numbering (common.cuh, MaskRows)
+                                  .Attr<Int64s>("row_strides"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_LS2_REGISTER("jax_ls2_softmax_dropout_fwd", SoftmaxDropoutFwd);

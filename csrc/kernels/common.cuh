@@ -20,6 +20,41 @@ constexpr int kMaxPartialRows = 264;
 constexpr uint32_t kDropoutIndexMul = 0x9e3779b1u;
 constexpr uint32_t kMix32Mul1 = 0x7feb352du, kMix32Mul2 = 0x846ca68bu;
 
+// ---------------------------------------------------------------- mask numbering
+// A mask element is numbered by its global coordinates (jax_ls2/_random.py): the array a
+// kernel sees is a box of the whole array, and its element (row r, column c) has the
+// 64-bit number g = base + sum_k digit_k(r) * stride[k] + c, where the digits are r
+// written row-major over the nd merged leading dims of extents ext[k] (the row map of
+// _random.row_map, given as FFI attributes) and base (the box's first element; from the
+// seed buffer (k0, k1, base_lo, base_hi)) depends on the shard's position in the mesh.
+constexpr int kMaskMaxRowDims = 6;
+struct MaskRows {
+  int nd = 1;
+  uint32_t ext[kMaskMaxRowDims] = {1};
+  uint64_t stride[kMaskMaxRowDims] = {0};
+  bool even = true;  // every stride even: each row starts at the base's parity
+};
+// The row map from the attribute arrays; false when it cannot describe `rows` rows (too
+// many dims, an extent of 0 or >= 2^32, negative strides, or extents whose product is
+// not `rows`).
+inline bool MakeMaskRows(const int64_t* ext, const int64_t* stride, size_t nd, int64_t rows, MaskRows* out) {
+  if (nd < 1 || nd > (size_t)kMaskMaxRowDims) return false;
+  MaskRows m;
+  m.nd = (int)nd;
+  int64_t count = 1;
+  for (size_t k = 0; k < nd; ++k) {
+    if (ext[k] < 1 || ext[k] > (int64_t)UINT32_MAX || stride[k] < 0) return false;
+    m.ext[k] = (uint32_t)ext[k];
+    m.stride[k] = (uint64_t)stride[k];
+    m.even = m.even && (stride[k] & 1) == 0;
+    count *= ext[k];
+  }
+  // Several dims: rows are split into digits in 32 bits.
+  if (count != rows || (nd > 1 && rows > (int64_t)UINT32_MAX)) return false;
+  *out = m;
+  return true;
+}
+
 // Streaming multiprocessors of the current device (132 when it cannot be queried).
 inline int SmCount() {
   static const int count = [] {
@@ -243,6 +278,74 @@ __device__ __forceinline__ void WithKeepFlags(bool all_even, const DropoutSeed& 
     }
   }
   body([&](uint32_t g0, bool (&keep)[VEC]) { KeepVec<VEC>(g0, s, threshold, keep); });
+}
+
+// ---------------------------------------------------------------- global numbering
+// The key words and the box's base number (see MaskRows), from the uint32[4] seed.
+struct WideSeed {
+  uint32_t k0, k1;
+  uint64_t base;
+};
+__device__ __forceinline__ WideSeed LoadWideSeed(const uint32_t* seed) {
+  return WideSeed{seed[0], seed[1], (uint64_t)seed[2] | ((uint64_t)seed[3] << 32)};
+}
+// The number of the first element of local row `row`.
+__device__ __forceinline__ uint64_t MaskRowStart(const MaskRows& m, uint64_t base, int64_t row) {
+  if (m.nd == 1) return base + (uint64_t)row * m.stride[0];
+  uint32_t r = (uint32_t)row;
+  uint64_t g = base;
+  for (int k = m.nd - 1; k > 0; --k) {
+    g += (uint64_t)(r % m.ext[k]) * m.stride[k];
+    r /= m.ext[k];
+  }
+  return g + (uint64_t)r * m.stride[0];
+}
+// Keep flag of the element numbered g (64-bit): the draw of DropoutHash(lo & ~1, k0, k1 ^ c)
+// ^ c, c = DropoutWideWord(hi, k1) (jax_ls2/_random.py, keep_bits_wide).
+__device__ __forceinline__ bool DropoutKeepWide(uint64_t g, const WideSeed& s, uint32_t threshold) {
+  const uint32_t lo = (uint32_t)g, hi = (uint32_t)(g >> 32);
+  const uint32_t c = hi == 0u ? 0u : DropoutWideWord(hi, s.k1);
+  const uint32_t h = DropoutHash(lo & ~1u, s.k0, s.k1 ^ c) ^ c;
+  return (lo & 1u) ? KeepHigh(h, threshold << 16) : KeepLow(h, threshold << 16);
+}
+// Keep flags of elements g0 .. g0 + VEC - 1. PAIRS: the caller knows g0 is even, and each
+// aligned pair takes one hash. The block word c is taken once per vector (0, and no work,
+// below 2^32); a vector across a 2^32 boundary goes element by element.
+template <int VEC, bool PAIRS>
+__device__ __forceinline__ void KeepWide(uint64_t g0, const WideSeed& s, uint32_t threshold, bool (&keep)[VEC]) {
+  const uint32_t lo0 = (uint32_t)g0, hi0 = (uint32_t)(g0 >> 32);
+  if (lo0 > 0xffffffffu - (uint32_t)(VEC - 1)) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeepWide(g0 + (uint64_t)j, s, threshold);
+    return;
+  }
+  const uint32_t c = hi0 == 0u ? 0u : DropoutWideWord(hi0, s.k1);
+  const uint32_t k1f = FoldKey(s.k1 ^ c), thr16 = threshold << 16;
+  if constexpr (PAIRS && VEC % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < VEC / 2; ++k) {
+      const uint32_t h = DropoutHashFolded(lo0 + 2u * k, s.k0, k1f) ^ c;
+      keep[2 * k] = KeepLow(h, thr16);
+      keep[2 * k + 1] = KeepHigh(h, thr16);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const uint32_t lo = lo0 + (uint32_t)j;
+      const uint32_t h = DropoutHashFolded(lo & ~1u, s.k0, k1f) ^ c;
+      keep[j] = (lo & 1u) ? KeepHigh(h, thr16) : KeepLow(h, thr16);
+    }
+  }
+}
+// Runs body(keep_of) once, keep_of(g0, keep) giving the keep flags of elements g0 ..
+// g0 + VEC - 1: one hash per pair when every g0 the body asks for is even (all_even).
+template <int VEC, typename Body>
+__device__ __forceinline__ void WithWideKeepFlags(bool all_even, const WideSeed& s, uint32_t threshold, Body&& body) {
+  if (all_even) {
+    body([&](uint64_t g0, bool (&keep)[VEC]) { KeepWide<VEC, true>(g0, s, threshold, keep); });
+  } else {
+    body([&](uint64_t g0, bool (&keep)[VEC]) { KeepWide<VEC, false>(g0, s, threshold, keep); });
+  }
 }
 
 #endif  // __CUDACC__

@@ -8,13 +8,12 @@
 // memory in a fixed order and writes one partial row per block (blockIdx.x); a
 // second kernel sums the partial rows (fixed order, so dbias is deterministic).
 //
-// Dropout: element g = seed[2] + row * hidden + col (uint32, wrapping) is kept iff
-// its 16-bit draw >= threshold (kernels/common.cuh, jax_ls2/_random.py); one hash
-// gives the draws of an aligned pair. Sequence-first activations (seq_batch > 0: rows
-// (len, batch) flattened) number row t * batch + j as j * len + t, the row it has in
-// the batch-first layout, so both layouts draw the same mask and a shard along batch
-// needs only its element offset. threshold == 0 selects a variant that
-// neither hashes nor scales. The backward regenerates the mask from the seed.
+// Dropout: element (row, col) has the global number g = MaskRowStart(row) + col (64-bit,
+// kernels/common.cuh: the row map numbers a shard's rows in the whole array, and
+// sequence-first rows as their batch-first transpose) and is kept iff its 16-bit draw
+// >= threshold (jax_ls2/_random.py); one hash gives the draws of an aligned pair.
+// threshold == 0 selects a variant that neither hashes nor scales. The backward
+// regenerates the mask from the seed.
 #include <algorithm>
 #include <initializer_list>
 #include <type_traits>
@@ -63,37 +62,7 @@ struct KernelArgs {
   int64_t rows, hidden;
   uint32_t threshold;
   float scale;
-  int64_t seq_batch;  // > 0: sequence-first rows, numbered batch-first (see the top)
-};
-
-// The batch-first number of a thread's rows r, r + step, r + 2 step, ... when the rows
-// are (len, batch) sequence-first: (t, j) = divmod(r, batch) is carried from row to row
-// with two adds and a compare instead of a division per row. Rows as stored when
-// batch == 0.
-struct RowNumbering {
-  uint32_t batch = 0, len = 0, t = 0, j = 0, dt = 0, dj = 0;
-  __device__ RowNumbering(int64_t seq_batch, int64_t rows, int64_t first, int64_t step) {
-    if (seq_batch > 0) {
-      batch = (uint32_t)seq_batch;
-      len = (uint32_t)(rows / seq_batch);
-      t = (uint32_t)(first / seq_batch);
-      j = (uint32_t)(first % seq_batch);
-      dt = (uint32_t)(step / seq_batch);
-      dj = (uint32_t)(step % seq_batch);
-    }
-  }
-  // The number of the current row (stored index `row`), then moves to the next one.
-  __device__ __forceinline__ uint32_t TakeAndAdvance(int64_t row) {
-    if (batch == 0) return (uint32_t)row;
-    const uint32_t n = j * len + t;
-    t += dt;
-    j += dj;
-    if (j >= batch) {
-      j -= batch;
-      ++t;
-    }
-    return n;
-  }
+  MaskRows numbering;  // the rows' global numbering (see the top)
 };
 
 // PF (prefetch): a thread loads its next U rows before computing the current ones, so
@@ -116,8 +85,8 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
     if constexpr (kBias) {
       LoadFloats<T, VEC>(static_cast<const T*>(a.bias) + col, b);
     }
-    DropoutSeed s{0u, 0u, 0u};
-    if constexpr (DROP) s = DropoutSeed{a.seed[0], a.seed[1], a.seed[2]};
+    WideSeed s{0u, 0u, 0u};
+    if constexpr (DROP) s = LoadWideSeed(a.seed);
     // The activation kernels' dropout scale, applied inside the activation.
     const float c = DROP ? a.scale : 1.f;
     const float log2_c = DROP ? __log2f(a.scale) : 0.f;
@@ -126,7 +95,6 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
     T* out = static_cast<T*>(a.out);
     const int64_t stride = (int64_t)gridDim.x * blockDim.y;
     const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    RowNumbering numbering(DROP ? a.seq_batch : 0, a.rows, first, stride);
     // Raw packs in flight (half the registers of floats for 16-bit types).
     // Element offsets advance with the rows (off0 = r0 * H + col, u_off = stride * H)
     // rather than being multiplied out per row.
@@ -142,10 +110,9 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
         }
       }
     };
-    // Every row's first dropout index has the parity of seed offset + col when the row
-    // length is even (16-byte packs: always), so the one-hash-per-pair path is chosen
-    // once per thread (pairs = true) instead of per row.
-    const uint32_t thr16 = a.threshold << 16;
+    // Every row's first dropout number has the parity of base + col when the row map's
+    // strides are even (rows of even length), so the one-hash-per-pair path is chosen once
+    // per thread (pairs = true) instead of per row.
     auto run = [&](auto pairs) {
       auto compute = [&](int64_t r0, int64_t off0, const PackT (&p0)[U], const PackT (&p1)[U]) {
 #pragma unroll
@@ -155,12 +122,8 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
             const int64_t off = off0 + u * u_off;
             bool keep[VEC];
             if constexpr (DROP) {
-              const uint32_t g0 = s.offset + numbering.TakeAndAdvance(row) * (uint32_t)H + (uint32_t)col;
-              if constexpr (decltype(pairs)::value) {
-                KeepPairs<VEC>(g0, s, thr16, keep);
-              } else {
-                KeepVec<VEC>(g0, s, a.threshold, keep);
-              }
+              const uint64_t g0 = MaskRowStart(a.numbering, s.base, row) + (uint64_t)col;
+              KeepWide<VEC, decltype(pairs)::value>(g0, s, a.threshold, keep);
             }
             float f0[VEC], f1[VEC];
             UnpackFloats(p0[u], f0);
@@ -218,7 +181,7 @@ __global__ void __launch_bounds__(kMaxThreads, PF ? PrefetchMinBlocks(KIND, U) :
       }
     };
     if constexpr (DROP && VEC % 2 == 0) {
-      if (((s.offset + (uint32_t)col) & 1u) == 0u && (H & 1) == 0) {
+      if (((s.base + (uint64_t)col) & 1u) == 0u && a.numbering.even) {
         run(std::true_type{});
       } else {
         run(std::false_type{});
@@ -385,7 +348,7 @@ cudaError_t Bwd(const DropoutBwdArgs& a, const DropoutLaunchOptions& o, cudaStre
   // several chunks (LaunchResident).
   Shape sh = PickShape(KIND, a.rows, a.hidden, vec, RowsFor<T>(KIND, vec, a.hidden, o),
                        std::min<int64_t>(a.max_parts, 2 * SmCount()), o);
-  KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
+  KernelArgs k{a.dy, a.x, a.bias, a.seed, a.dx, a.partials, a.rows, a.hidden, a.threshold, a.scale, a.numbering};
   cudaError_t err;
   if constexpr (KIND == kBdrBwd) {
     LaunchDrop<T, KIND, kActRelu>(sh, k, o, stream);
@@ -405,7 +368,7 @@ cudaError_t LaunchBiasDropoutResidualFwd(const DropoutFwdArgs& a, const DropoutL
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.residual, a.y});
   Shape sh = PickShape(kBdrFwd, a.rows, a.hidden, vec, RowsFor<T>(kBdrFwd, vec, a.hidden, o), INT32_MAX, o);
-  KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
+  KernelArgs k{a.x, a.residual, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.numbering};
   LaunchDrop<T, kBdrFwd, kActRelu>(sh, k, o, stream);
   return cudaGetLastError();
 }
@@ -415,7 +378,7 @@ cudaError_t LaunchBiasActDropoutFwd(const DropoutFwdArgs& a, const DropoutLaunch
   if (a.rows == 0 || a.hidden == 0) return cudaSuccess;
   const int vec = PickVec<T>(a.hidden, {a.x, a.bias, a.y});
   Shape sh = PickShape(kActFwd, a.rows, a.hidden, vec, RowsFor<T>(kActFwd, vec, a.hidden, o), INT32_MAX, o);
-  KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.seq_batch};
+  KernelArgs k{a.x, nullptr, a.bias, a.seed, a.y, nullptr, a.rows, a.hidden, a.threshold, a.scale, a.numbering};
   return LaunchAct<T, kActFwd>(a.activation, sh, k, o, stream);
 }
 

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
+
 namespace jax_ls2 {
 
 // Activation codes of bias_act_dropout's `activation` attribute, in the order of
@@ -23,20 +25,20 @@ struct DropoutFwdArgs {
   const void* x;         // (rows, hidden), T
   const void* bias;      // (hidden,), T
   const void* residual;  // (rows, hidden), T, or nullptr (bias_act_dropout)
-  const uint32_t* seed;  // (3,) uint32 on the device: k0, k1, element offset
+  const uint32_t* seed;  // (4,) uint32 on the device: k0, k1, base_lo, base_hi (common.cuh, MaskRows)
   void* y;               // (rows, hidden), T
   int64_t rows, hidden;
   uint32_t threshold;    // drop iff the 16-bit draw < threshold; 0 = no dropout
   float scale;           // 1 / kept fraction
   int activation;        // DropoutActivation (bias_act_dropout only)
-  int64_t seq_batch;     // > 0: rows are (len, seq_batch), numbered as the (seq_batch, len) transpose
+  MaskRows numbering;    // the rows' global numbering (sequence-first rows included)
 };
 
 struct DropoutBwdArgs {
   const void* dy;        // (rows, hidden), T
   const void* x;         // (rows, hidden), T: pre-activation input, or nullptr (bias_dropout_residual)
   const void* bias;      // (hidden,), T, or nullptr (bias_dropout_residual)
-  const uint32_t* seed;  // (3,) uint32 on the device
+  const uint32_t* seed;  // (4,) uint32 on the device, as in DropoutFwdArgs
   void* dx;              // (rows, hidden), T
   float* dbias;          // (hidden,) f32: column sums of dx (before rounding to T)
   float* partials;       // (max_parts, hidden) f32 workspace
@@ -45,7 +47,7 @@ struct DropoutBwdArgs {
   uint32_t threshold;
   float scale;
   int activation;
-  int64_t seq_batch;     // as in DropoutFwdArgs
+  MaskRows numbering;    // as in DropoutFwdArgs
 };
 
 template <typename T>

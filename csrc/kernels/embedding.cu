@@ -4,8 +4,8 @@
 // table or sin/cos(pos * inv_freq) computed in place; rows whose id is the padding
 // index are zero. A row group of blockDim.x threads owns one row (8 columns per
 // thread per step), blockDim.y rows per block. Ids and positions are clamped into
-// their tables. The dropout mask is the shared counter-based one (common.cuh) over
-// the flat output index (seed offset + r) * hidden + c.
+// their tables. The dropout mask is the shared counter-based one (common.cuh): output
+// element (r, c) is numbered MaskRowStart(r) + c in the whole output (64-bit).
 //
 // Backward: the same mask is regenerated and dout * mask * keep_scale accumulated in
 // float32 into dtable (times scale) and dpos, either with atomics (fast; the order
@@ -23,17 +23,17 @@ constexpr int kBlock = 256;
 __device__ __forceinline__ int64_t Clamp(int64_t v, int64_t n) { return v < 0 ? 0 : (v >= n ? n - 1 : v); }
 
 template <int VEC>
-__device__ __forceinline__ void KeepFlags(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
+__device__ __forceinline__ void KeepFlags(uint64_t g0, const WideSeed& s, uint32_t threshold,
                                           float keep_scale, float (&m)[VEC]) {
   bool keep[VEC];
-  KeepVec<VEC>(g0, s, threshold, keep);
+  KeepWide<VEC, false>(g0, s, threshold, keep);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) m[j] = keep[j] ? keep_scale : 0.f;
 }
 
-__device__ __forceinline__ DropoutSeed LoadSeed(const uint32_t* seed) {
-  DropoutSeed s{0u, 0u, 0u};
-  if (seed != nullptr) s = DropoutSeed{seed[0], seed[1], seed[2]};
+__device__ __forceinline__ WideSeed LoadSeed(const uint32_t* seed) {
+  WideSeed s{0u, 0u, 0u};
+  if (seed != nullptr) s = LoadWideSeed(seed);
   return s;
 }
 
@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kBlock) EmbeddingFwdKernel(EmbeddingFwdArgs a)
   if (a.pos_mode == kPosLearned) p = Clamp(a.positions[row], a.max_pos);
   if (a.pos_mode == kPosSinusoidal) pf = (float)a.positions[row];
   const TT* ptab = a.pos_mode == kPosLearned ? static_cast<const TT*>(a.pos_table) + p * H : nullptr;
-  const DropoutSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
-  const uint32_t gbase = (s.offset + (uint32_t)row) * (uint32_t)H;
+  const WideSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
+  const uint64_t gbase = MaskRowStart(a.numbering, s.base, row);
   const int64_t half = H / 2;
   for (int64_t c = threadIdx.x * VEC; c < H; c += (int64_t)blockDim.x * VEC) {
     float v[VEC];
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kBlock) EmbeddingFwdKernel(EmbeddingFwdArgs a)
     }
     if (a.threshold > 0) {
       float m[VEC];
-      KeepFlags<VEC>(gbase + (uint32_t)c, s, a.threshold, a.keep_scale, m);
+      KeepFlags<VEC>(gbase + (uint64_t)c, s, a.threshold, a.keep_scale, m);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) v[j] *= m[j];
     }
@@ -101,12 +101,12 @@ __device__ __forceinline__ void AtomicAddVec(float* p, const float* v, int n) {
 
 // dout row r, column tile c: g = dout * mask * keep_scale (float32).
 template <typename TO, int VEC>
-__device__ __forceinline__ void RowGrad(const EmbeddingBwdArgs& a, const DropoutSeed& s, int64_t r, int64_t c,
+__device__ __forceinline__ void RowGrad(const EmbeddingBwdArgs& a, const WideSeed& s, int64_t r, int64_t c,
                                         float (&g)[VEC]) {
   LoadFloats<TO, VEC>(static_cast<const TO*>(a.dout) + r * a.hidden + c, g);
   if (a.threshold > 0) {
     float m[VEC];
-    KeepFlags<VEC>((s.offset + (uint32_t)r) * (uint32_t)a.hidden + (uint32_t)c, s, a.threshold, a.keep_scale, m);
+    KeepFlags<VEC>(MaskRowStart(a.numbering, s.base, r) + (uint64_t)c, s, a.threshold, a.keep_scale, m);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) g[j] *= m[j];
   }
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kBlock) EmbeddingBwdAtomicKernel(EmbeddingBwdA
   if (a.has_padding && id == a.padding_idx) return;
   const int64_t H = a.hidden;
   const int64_t p = a.dpos != nullptr ? Clamp(a.positions[row], a.max_pos) : 0;
-  const DropoutSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
+  const WideSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
   for (int64_t c = threadIdx.x * VEC; c < H; c += (int64_t)blockDim.x * VEC) {
     float g[VEC], t[VEC];
     RowGrad<TO, VEC>(a, s, row, c, g);
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kBlock) EmbeddingBwdSegmentKernel(EmbeddingBwd
   const int64_t key = Clamp(keys[order[i]], nkeys);
   if (i > 0 && Clamp(keys[order[i - 1]], nkeys) == key) return;
   const int64_t H = a.hidden;
-  const DropoutSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
+  const WideSeed s = LoadSeed(a.threshold > 0 ? a.seed : nullptr);
   for (int64_t c = threadIdx.x * VEC; c < H; c += (int64_t)blockDim.x * VEC) {
     float acc[VEC] = {};
     bool any = false;

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
+
 namespace jax_ls2 {
 
 enum EmbeddingPos : int { kPosNone = 0, kPosLearned = 1, kPosSinusoidal = 2 };
@@ -14,7 +16,7 @@ struct EmbeddingFwdArgs {
   const float* inv_freq;     // (hidden / 2,) (kPosSinusoidal)
   const int32_t* ids;        // (rows,)
   const int32_t* positions;  // (rows,)
-  const uint32_t* seed;      // (3,) = (k0, k1, row offset); used when threshold > 0
+  const uint32_t* seed;      // (4,) = (k0, k1, base_lo, base_hi) (common.cuh); used when threshold > 0
   void* out;                 // (rows, hidden), TO
   int64_t rows, hidden, vocab, max_pos;
   int pos_mode;
@@ -23,13 +25,14 @@ struct EmbeddingFwdArgs {
   bool has_padding;
   uint32_t threshold;
   float keep_scale;
+  MaskRows numbering;        // the rows' global numbering (common.cuh)
 };
 
 struct EmbeddingBwdArgs {
   const void* dout;          // (rows, hidden), TO
   const int32_t* ids;        // (rows,)
   const int32_t* positions;  // (rows,)
-  const uint32_t* seed;      // (3,)
+  const uint32_t* seed;      // (4,), as in EmbeddingFwdArgs
   const int32_t* tok_order;  // (rows,) row indices sorted by id (deterministic mode), else nullptr
   const int32_t* pos_order;  // (rows,) row indices sorted by position (deterministic mode), else nullptr
   float* dtable;             // (vocab, hidden) f32
@@ -40,6 +43,7 @@ struct EmbeddingBwdArgs {
   bool has_padding;
   uint32_t threshold;
   float keep_scale;
+  MaskRows numbering;        // the rows' global numbering (common.cuh)
 };
 
 template <typename TT, typename TO>

@@ -7,7 +7,8 @@
 //
 // The forward writes y and per-row stats (max, 1 / sum); it does not write p.
 // The backward re-reads the scores, recomputes p bit for bit from the stats and
-// regenerates the keep mask from the seed:
+// regenerates the keep mask from the seed (element (row, col) numbered
+// MaskRowStart(row) + col in the whole array, kernels/common.cuh):
 //   g = dy * keep * keep_scale,  dx = grad_scale * p * (g - sum(g * p)).
 //
 // Register path (k_len <= 8192): a row group of blockDim.x threads (a power of
@@ -166,12 +167,12 @@ struct RegRow {
   const uint8_t* mask; // the row's mask along k, nullptr when there is none
   int limit;           // last attended column, -1 when none (or the row is past the end)
   float bconst;        // the row's bias when it is not along k (0 without bias)
-  uint32_t g;          // dropout index of the row's first element
+  uint64_t g;          // dropout number of the row's first element (MaskRowStart)
 };
 
 template <typename T, typename BT, bool BIASK>
 __device__ __forceinline__ RegRow<T, BT> RegRowSetup(const SoftmaxProblem& p, int64_t row, bool valid,
-                                                     const DropoutSeed& seed) {
+                                                     const WideSeed& seed) {
   const Row r = RowSetup<BT>(p, valid ? row : 0);
   RegRow<T, BT> rr;
   rr.x = static_cast<const T*>(p.x) + r.off;
@@ -179,7 +180,7 @@ __device__ __forceinline__ RegRow<T, BT> RegRowSetup(const SoftmaxProblem& p, in
   rr.mask = p.mask != nullptr && p.mask_k != 0 ? p.mask + r.moff : nullptr;
   rr.limit = valid ? (int)r.limit : -1;
   rr.bconst = r.bconst;
-  rr.g = (uint32_t)r.off + seed.offset;
+  rr.g = MaskRowStart(p.numbering, seed.base, valid ? row : 0);
   return rr;
 }
 
@@ -209,9 +210,9 @@ __device__ __forceinline__ void RegLogits(const RegRow<T, BT>& rr, int col, uint
   }
 }
 
-__device__ __forceinline__ DropoutSeed LoadSeed(const SoftmaxProblem& p) {
-  DropoutSeed s{0u, 0u, 0u};
-  if (p.threshold != 0) s = DropoutSeed{p.seed[0], p.seed[1], p.seed[2]};
+__device__ __forceinline__ WideSeed LoadSeed(const SoftmaxProblem& p) {
+  WideSeed s{0u, 0u, 0u};
+  if (p.threshold != 0) s = LoadWideSeed(p.seed);
   return s;
 }
 
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC == 1 ? 1 : sizeof(T) == 2 
   const SoftmaxProblem& p = a.p;
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < p.rows;
-  const DropoutSeed seed = LoadSeed(p);
+  const WideSeed seed = LoadSeed(p);
   const RegRow<T, BT> rr = RegRowSetup<T, BT, BIASK>(p, row, valid, seed);
   const float scale = p.scale;
   const int c0 = threadIdx.x * VEC, cstep = blockDim.x * VEC;
@@ -291,7 +292,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC == 1 ? 1 : sizeof(T) == 2 
       const int col = c0 + i * cstep;
       if (col < cols) {
         bool keep[VEC];
-        keep_of(rr.g + (uint32_t)col, keep);
+        keep_of(rr.g + (uint64_t)col, keep);
         float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = keep[j] ? v[i][j] * kept : 0.f;
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(kMaxRowThreads, VEC == 1 ? 1 : sizeof(T) == 2 
       }
     }
   } else {
-    WithKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, store);
+    WithWideKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, store);
   }
   if (threadIdx.x == 0) reinterpret_cast<float2*>(p.stats)[row] = make_float2(mx, inv);
 }
@@ -343,7 +344,8 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdA
   const float sum = BlockSum(m == -INFINITY ? 0.f : s * ExpShift<T>(m, mx), scratch);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   const uint32_t thr = p.threshold;
-  const DropoutSeed seed = LoadSeed(p);
+  const WideSeed seed = LoadSeed(p);
+  const uint64_t grow = MaskRowStart(p.numbering, seed.base, row);
   const float kept = inv * p.keep_scale;
   T* y = static_cast<T*>(a.y) + r.off;
   for (int64_t col = (int64_t)threadIdx.x * VEC; col < p.cols; col += step) {
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdA
     }
     if (thr != 0) {
       bool keep[VEC];
-      KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, thr, keep);
+      KeepWide<VEC, false>(grow + (uint64_t)col, seed, thr, keep);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = keep[j] ? ExpShift<T>(v[j], mx) * kept : 0.f;
     } else {
@@ -372,7 +374,7 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxFwdLoopKernel(SoftmaxFwdA
 // p and g of columns col .. col + VEC - 1 (col <= r.limit).
 template <typename T, typename BT, int VEC, bool BIASK = true>
 __device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, int64_t col, float2 st,
-                                       const DropoutSeed& seed, float (&pv)[VEC], float (&g)[VEC]) {
+                                       const WideSeed& seed, uint64_t grow, float (&pv)[VEC], float (&g)[VEC]) {
   const SoftmaxProblem& p = a.p;
   LoadLogits<T, BT, VEC, BIASK>(p, r, col, pv);
   LoadVec<T, VEC>(static_cast<const T*>(a.dy) + r.off + col, g);
@@ -380,7 +382,7 @@ __device__ __forceinline__ void LoadPG(const SoftmaxBwdArgs& a, const Row& r, in
   for (int j = 0; j < VEC; ++j) pv[j] = ExpShift<T>(pv[j], st.x) * st.y;
   if (p.threshold != 0) {
     bool keep[VEC];
-    KeepVec<VEC>((uint32_t)(r.off + col) + seed.offset, seed, p.threshold, keep);
+    KeepWide<VEC, false>(grow + (uint64_t)col, seed, p.threshold, keep);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) g[j] = keep[j] ? g[j] * p.keep_scale : 0.f;
   }
@@ -392,7 +394,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
   const SoftmaxProblem& p = a.p;
   const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < p.rows;
-  const DropoutSeed seed = LoadSeed(p);
+  const WideSeed seed = LoadSeed(p);
   const RegRow<T, BT> rr = RegRowSetup<T, BT, BIASK>(p, row, valid, seed);
   const float2 st = valid ? reinterpret_cast<const float2*>(p.stats)[row] : make_float2(0.f, 0.f);
   const int64_t row_off = rr.x - static_cast<const T*>(p.x);
@@ -424,12 +426,12 @@ __global__ void __launch_bounds__(kMaxRowThreads) SoftmaxBwdKernel(SoftmaxBwdArg
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       bool keep[VEC];
-      keep_of(rr.g + (uint32_t)(c0 + i * cstep), keep);
+      keep_of(rr.g + (uint64_t)(c0 + i * cstep), keep);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) g[i][j] = keep[j] ? g[i][j] * p.keep_scale : 0.f;
     }
   };
-  if (thr != 0) WithKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, drop);
+  if (thr != 0) WithWideKeepFlags<VEC>((rr.g & 1u) == 0u, seed, thr, drop);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
@@ -459,12 +461,13 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxBwdLoopKernel(SoftmaxBwdA
   const int64_t row = blockIdx.x;
   const Row r = RowSetup<BT>(p, row);
   const float2 st = reinterpret_cast<const float2*>(p.stats)[row];
-  const DropoutSeed seed = LoadSeed(p);
+  const WideSeed seed = LoadSeed(p);
+  const uint64_t grow = MaskRowStart(p.numbering, seed.base, row);
   const int64_t step = (int64_t)blockDim.x * VEC;
   float acc = 0.f;
   for (int64_t col = (int64_t)threadIdx.x * VEC; col <= r.limit; col += step) {
     float pv[VEC], g[VEC];
-    LoadPG<T, BT, VEC>(a, r, col, st, seed, pv, g);
+    LoadPG<T, BT, VEC>(a, r, col, st, seed, grow, pv, g);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc += g[j] * pv[j];
   }
@@ -474,7 +477,7 @@ __global__ void __launch_bounds__(kLoopThreads) SoftmaxBwdLoopKernel(SoftmaxBwdA
   for (int64_t col = (int64_t)threadIdx.x * VEC; col < p.cols; col += step) {
     float pv[VEC], g[VEC], o[VEC];
     if (col <= r.limit) {
-      LoadPG<T, BT, VEC>(a, r, col, st, seed, pv, g);
+      LoadPG<T, BT, VEC>(a, r, col, st, seed, grow, pv, g);
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) pv[j] = g[j] = 0.f;

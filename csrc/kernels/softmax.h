@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
+
 namespace jax_ls2 {
 
 // How a row index (over the leading dims of scores, q_len included) maps to the
@@ -41,7 +43,8 @@ struct SoftmaxProblem {
   const void* x;         // scores (rows, cols), T
   const void* bias;      // broadcastable bias, T or float32, or nullptr
   const uint8_t* mask;   // broadcastable bool mask (1 = attend), or nullptr
-  const uint32_t* seed;  // uint32[3] dropout seed (k0, k1, element offset)
+  const uint32_t* seed;  // uint32[4] dropout seed (k0, k1, base_lo, base_hi), common.cuh
+  MaskRows numbering;    // the rows' global numbering (common.cuh)
   float* stats;          // (rows, 2) float32: row max of the logits, 1 / row sum
   int64_t rows;          // product of the leading dims, q_len included
   int64_t cols;          // k_len

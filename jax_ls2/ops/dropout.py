@@ -1,16 +1,23 @@
 """Fused bias + dropout + residual, and bias + activation + dropout.
 
 Dropout masks come from the counter-based generator of :mod:`jax_ls2._random`
-(bit for bit the same in CUDA and in the reference): element ``g`` of the flat
-row-major ``(..., hidden)`` array (plus the seed's offset word) is kept iff its
-16-bit draw is ``>= round(rate * 65536)``, and kept elements are scaled by
-``keep_scale(rate)``. The backward pass regenerates the mask from the seed; nothing
-per element is stored. ``rate == 0`` or ``deterministic=True`` skips the generator
-and gives exactly the undropped result.
+(bit for bit the same in CUDA and in the reference): an element is numbered by its
+global coordinates, ``g`` = its flat row-major index in the whole ``(..., hidden)``
+array (64-bit, see `jax_ls2._random.keep_mask_at`), and is kept iff its 16-bit draw is
+``>= round(rate * 65536)``; kept elements are scaled by ``keep_scale(rate)``. The
+backward pass regenerates the mask from the seed; nothing per element is stored.
+``rate == 0`` or ``deterministic=True`` skips the generator and gives exactly the
+undropped result.
+
+A shard knows its place in the whole array, so sharded inputs draw exactly the
+unsharded mask with nothing gathered: under ``jit``, any dim (batch, sequence, hidden)
+may be sharded, and the partitioner gives each shard its offsets; inside ``shard_map``,
+pass ``shard_spec`` (the input's ``in_specs`` entry) and each device computes its
+offsets from its mesh position.
 
 Sequence-first activations (``seq_first=True``: ``x`` is ``(len, batch, hidden)``) draw
 the mask of their ``(batch, len, hidden)`` transpose, so both layouts drop the same
-elements and a shard along batch (dim 1) keeps its rows.
+elements.
 
 Under ``vmap`` with dropout active, every example draws the mask it would draw on
 its own (``vmap(f)(xs)[i] == f(xs[i])``), as with ``jax.random``; fold an index into
@@ -25,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import BCAST, BCAST_SUM, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -60,48 +67,45 @@ def _act_grad(v, activation):
             + np.float32(0.5) * v * (np.float32(1) - t * t) * _K_TANH * (np.float32(1) + np.float32(3) * _C_TANH * v * v))
 
 
-def _drop(v, seed, threshold, scale, seq_first):
-    """float32 ``v`` with the mask applied; threshold 0 returns ``v`` untouched. With
-    ``seq_first`` ``v`` is (len, batch, hidden) and gets its transpose's mask."""
+def _drop(v, seed, offsets, threshold, scale, strides):
+    """float32 ``v`` (the box at ``offsets`` of the array numbered by ``strides``) with
+    its mask applied; threshold 0 returns ``v`` untouched."""
     if threshold == 0:
         return v
-    if seq_first:
-        keep = _random.keep_mask(seed, (v.shape[1], v.shape[0]) + v.shape[2:], threshold).swapaxes(0, 1)
-    else:
-        keep = _random.keep_mask(seed, v.shape, threshold)
+    keep = _random.keep_mask_at(seed, offsets, v.shape, strides, threshold)
     return jnp.where(keep, v * np.float32(scale), np.float32(0))
 
 
-def _lead_axes(x):
-    return tuple(range(x.ndim - 1))
+def _column_sum(dx):
+    """dbias ``(1, ..., 1, hidden)``: dx summed over every dim but the last."""
+    return jnp.sum(dx, axis=tuple(range(dx.ndim - 1)), keepdims=True)
 
 
-def _bdr_fwd_ref(x, bias, residual, seed, *, threshold, scale, seq_first):
-    v = _drop(x.astype(F32) + bias.astype(F32), seed, threshold, scale, seq_first)
+def _bdr_fwd_ref(x, bias, residual, seed, offsets, *, threshold, scale, strides):
+    v = _drop(x.astype(F32) + bias.astype(F32), seed, offsets, threshold, scale, strides)
     return ((residual.astype(F32) + v).astype(x.dtype),)
 
 
-def _bdr_bwd_ref(dy, seed, *, threshold, scale, seq_first):
-    dx = _drop(dy.astype(F32), seed, threshold, scale, seq_first)
-    return dx.astype(dy.dtype), jnp.sum(dx, axis=_lead_axes(dy))
+def _bdr_bwd_ref(dy, seed, offsets, *, threshold, scale, strides):
+    dx = _drop(dy.astype(F32), seed, offsets, threshold, scale, strides)
+    return dx.astype(dy.dtype), _column_sum(dx)
 
 
-def _bad_fwd_ref(x, bias, seed, *, activation, threshold, scale, seq_first):
+def _bad_fwd_ref(x, bias, seed, offsets, *, activation, threshold, scale, strides):
     a = _act(x.astype(F32) + bias.astype(F32), activation)
-    return (_drop(a, seed, threshold, scale, seq_first).astype(x.dtype),)
+    return (_drop(a, seed, offsets, threshold, scale, strides).astype(x.dtype),)
 
 
-def _bad_bwd_ref(dy, x, bias, seed, *, activation, threshold, scale, seq_first):
+def _bad_bwd_ref(dy, x, bias, seed, offsets, *, activation, threshold, scale, strides):
     g = dy.astype(F32) * _act_grad(x.astype(F32) + bias.astype(F32), activation)
-    dx = _drop(g, seed, threshold, scale, seq_first)
-    return dx.astype(x.dtype), jnp.sum(dx, axis=_lead_axes(x))
+    dx = _drop(g, seed, offsets, threshold, scale, strides)
+    return dx.astype(x.dtype), _column_sum(dx)
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(x, *arrays, threshold, scale, seq_first, activation=None):
+def _attrs(x, *arrays, threshold, scale, strides, activation=None):
     # x (or dy) is the first operand of every kernel here.
-    seq_batch = x.shape[1] if seq_first and threshold else 0
-    attrs = dict(threshold=np.int64(threshold), scale=np.float32(scale), seq_batch=np.int64(seq_batch))
+    attrs = dict(threshold=np.int64(threshold), scale=np.float32(scale), **_random.kernel_row_attrs(x.shape, threshold, strides))
     if activation is not None:
         attrs["activation"] = np.int64(_ACT_CODE[activation])
     return attrs
@@ -112,83 +116,94 @@ def _fwd_types(x, *arrays, **static):
 
 
 def _bwd_types(x, *arrays, **static):
-    # dx, dbias, then the workspace of partial dbias rows.
+    # dx, dbias (1, ..., 1, hidden), then the workspace of partial dbias rows.
     h = x.shape[-1]
-    return result_type(x), result_type(x, (h,), F32), result_type(x, (_MAX_PARTS, h), F32)
+    return (result_type(x), result_type(x, (1,) * (x.ndim - 1) + (h,), F32),
+            result_type(x, (_MAX_PARTS, h), F32))
 
 
 def _dropping(static) -> bool:
     return static["threshold"] != 0
 
 
-_R1, _P, _S = Role(ROWS, 1), Role(PARAM), Role(SEED)
+# Every dim of x is shardable (hidden too: the ops are elementwise along it), the bias
+# (1, ..., 1, hidden) is sharded with x's last dim and dbias summed over the others.
+_R0, _B0, _S, _O = Role(ROWS, 0), Role(BCAST, 0), Role(SEED), Role(OFFSETS)
 # With dropout active, vmap runs the examples one by one so each draws its own mask
 # (see the module docstring).
-_KERNEL_OPTIONS = dict(attrs=_attrs, per_example=_dropping)
-_BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, operands=(_R1, _P, _R1, _S),
-                       results=(_R1,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
-_BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, operands=(_R1, _S),
-                       results=(_R1, Role(SUM)), result_types=_bwd_types, vmap_method="sequential",
+_KERNEL_OPTIONS = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, per_example=_dropping)
+_BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, operands=(_R0, _B0, _R0, _S, _O),
+                       results=(_R0,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
+_BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, operands=(_R0, _S, _O),
+                       results=(_R0, Role(BCAST_SUM)), result_types=_bwd_types, vmap_method="sequential",
                        **_KERNEL_OPTIONS)
-_BAD_FWD = FusedKernel("jax_ls2_bias_act_dropout_fwd", _bad_fwd_ref, operands=(_R1, _P, _S),
-                       results=(_R1,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
-_BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, operands=(_R1, _R1, _P, _S),
-                       results=(_R1, Role(SUM)), result_types=_bwd_types, vmap_method="sequential",
+_BAD_FWD = FusedKernel("jax_ls2_bias_act_dropout_fwd", _bad_fwd_ref, operands=(_R0, _B0, _S, _O),
+                       results=(_R0,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
+_BAD_BWD = FusedKernel("jax_ls2_bias_act_dropout_bwd", _bad_bwd_ref, operands=(_R0, _R0, _B0, _S, _O),
+                       results=(_R0, Role(BCAST_SUM)), result_types=_bwd_types, vmap_method="sequential",
                        **_KERNEL_OPTIONS)
 
 
 # ---------------------------------------------------------------- custom_vjp
 # The forward rules call the kernels, not the custom_vjp functions: a custom_vjp
 # called inside another's forward rule would end a second derivative in JAX's jvp
-# error instead of the kernels' own "not supported".
-def _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first):
-    return _BDR_FWD(x, bias.astype(x.dtype), residual, seed, threshold=threshold, scale=scale,
-                    seq_first=seq_first)[0]
+# error instead of the kernels' own "not supported". ``num`` = (threshold, scale,
+# strides), static; the bias travels as (hidden,) and meets the kernels as
+# (1, ..., 1, hidden).
+def _as_row(bias, x):
+    return bias.astype(x.dtype).reshape((1,) * (x.ndim - 1) + bias.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first):
-    return _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first)
+def _static(num):
+    threshold, scale, strides = num
+    return dict(threshold=threshold, scale=scale, strides=strides)
 
 
-def _bdr_vjp_fwd(x, bias, residual, seed, threshold, scale, seq_first):
-    y = _bdr_forward(x, bias, residual, seed, threshold, scale, seq_first)
-    return y, (seed, jnp.zeros((0,), bias.dtype))
+def _bdr_forward(x, bias, residual, seed, offsets, num):
+    return _BDR_FWD(x, _as_row(bias, x), residual, seed, offsets, **_static(num))[0]
 
 
-def _bdr_vjp_bwd(threshold, scale, seq_first, res, dy):
-    seed, bias_like = res
-    if threshold == 0:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _bias_dropout_residual(x, bias, residual, seed, offsets, num):
+    return _bdr_forward(x, bias, residual, seed, offsets, num)
+
+
+def _bdr_vjp_fwd(x, bias, residual, seed, offsets, num):
+    y = _bdr_forward(x, bias, residual, seed, offsets, num)
+    return y, (seed, offsets, jnp.zeros((0,), bias.dtype))
+
+
+def _bdr_vjp_bwd(num, res, dy):
+    seed, offsets, bias_like = res
+    if num[0] == 0:
         # No dropout: dx is dy itself, and a kernel would only copy it; XLA reduces dbias.
         db = jnp.sum(dy, axis=tuple(range(dy.ndim - 1)), dtype=jnp.float32)
-        return dy, db.astype(bias_like.dtype), dy, None
-    dx, db = _BDR_BWD(dy, seed, threshold=threshold, scale=scale, seq_first=seq_first)
-    return dx, db.astype(bias_like.dtype), dy, None
+        return dy, db.astype(bias_like.dtype), dy, None, None
+    dx, db = _BDR_BWD(dy, seed, offsets, **_static(num))
+    return dx, db.reshape(-1).astype(bias_like.dtype), dy, None, None
 
 
 _bias_dropout_residual.defvjp(_bdr_vjp_fwd, _bdr_vjp_bwd, optimize_remat=True)
 
 
-def _bad_forward(x, bias, seed, activation, threshold, scale, seq_first):
-    return _BAD_FWD(x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold, scale=scale,
-                    seq_first=seq_first)[0]
+def _bad_forward(x, bias, seed, offsets, activation, num):
+    return _BAD_FWD(x, _as_row(bias, x), seed, offsets, activation=activation, **_static(num))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first):
-    return _bad_forward(x, bias, seed, activation, threshold, scale, seq_first)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _bias_act_dropout(x, bias, seed, offsets, activation, num):
+    return _bad_forward(x, bias, seed, offsets, activation, num)
 
 
-def _bad_vjp_fwd(x, bias, seed, activation, threshold, scale, seq_first):
-    y = _bad_forward(x, bias, seed, activation, threshold, scale, seq_first)
-    return y, (x, bias, seed)
+def _bad_vjp_fwd(x, bias, seed, offsets, activation, num):
+    y = _bad_forward(x, bias, seed, offsets, activation, num)
+    return y, (x, bias, seed, offsets)
 
 
-def _bad_vjp_bwd(activation, threshold, scale, seq_first, res, dy):
-    x, bias, seed = res
-    dx, db = _BAD_BWD(dy, x, bias.astype(x.dtype), seed, activation=activation, threshold=threshold,
-                      scale=scale, seq_first=seq_first)
-    return dx, db.astype(bias.dtype), None
+def _bad_vjp_bwd(activation, num, res, dy):
+    x, bias, seed, offsets = res
+    dx, db = _BAD_BWD(dy, x, _as_row(bias, x), seed, offsets, activation=activation, **_static(num))
+    return dx, db.reshape(-1).astype(bias.dtype), None, None
 
 
 _bias_act_dropout.defvjp(_bad_vjp_fwd, _bad_vjp_bwd, optimize_remat=True)
@@ -204,6 +219,11 @@ def _seed_and_rate(op, rate, key, deterministic):
     if threshold == 0:  # rate below 1/131072 rounds to no dropout
         return jnp.zeros((3,), jnp.uint32), 0, 1.0
     return _random.seed_words(key), threshold, _random.keep_scale(rate)
+
+
+def _order(seq_first):
+    """The numbering's dim order: sequence-first (len, batch, hidden) as its transpose."""
+    return (1, 0, 2) if seq_first else None
 
 
 def _check_x_bias(op, x, bias, seq_first):
@@ -225,7 +245,7 @@ def _check_x_bias(op, x, bias, seq_first):
 
 
 def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, deterministic: bool = False,
-                          seq_first: bool = False):
+                          seq_first: bool = False, shard_spec=None):
     """``residual + dropout(x + bias)`` (the end of a Transformer sublayer).
 
     Args:
@@ -238,10 +258,14 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
       deterministic: no dropout (exactly ``residual + x + bias``).
       seq_first: ``x`` is ``(len, batch, hidden)``; the mask is the one the
         ``(batch, len, hidden)`` transpose would get.
+      shard_spec: inside ``shard_map`` only: how ``x`` is split over the manual mesh
+        axes, its ``in_specs`` entry (per dim None, an axis name or a tuple of names),
+        so this device draws its block of the whole array's mask. Default: ``x`` is
+        the whole array. Under plain ``jit`` leave it out; shardings are seen.
 
     Returns:
       ``(..., hidden)`` in ``x.dtype``; all arithmetic in float32, rounded once.
-      The backward keeps only the uint32[3] seed: ``dx = mask * scale * dy``,
+      The backward keeps only the uint32[3] seed and the offsets: ``dx = mask * scale * dy``,
       ``dbias = sum over rows of dx``, ``dresidual = dy``.
     """
     op = "bias_dropout_residual"
@@ -250,12 +274,13 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold, _order(seq_first))
     x, bias, residual = match_varying(x, bias, residual)
-    return _bias_dropout_residual(x, bias, residual, seed, threshold, scale, seq_first)
+    return _bias_dropout_residual(x, bias, residual, seed, offsets, (threshold, scale, strides))
 
 
 def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, deterministic: bool = False,
-                     seq_first: bool = False):
+                     seq_first: bool = False, shard_spec=None):
     """``dropout(act(x + bias))`` (the first half of a Transformer FFN).
 
     Args:
@@ -268,6 +293,10 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
       deterministic: no dropout.
       seq_first: ``x`` is ``(len, batch, hidden)``; the mask is the one the
         ``(batch, len, hidden)`` transpose would get.
+      shard_spec: inside ``shard_map`` only: how ``x`` is split over the manual mesh
+        axes, its ``in_specs`` entry (per dim None, an axis name or a tuple of names),
+        so this device draws its block of the whole array's mask. Default: ``x`` is
+        the whole array. Under plain ``jit`` leave it out; shardings are seen.
 
     Returns:
       ``(..., hidden)`` in ``x.dtype``; float32 math in registers. The backward keeps
@@ -279,27 +308,29 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     if not isinstance(activation, str) or activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold, _order(seq_first))
     x, bias = match_varying(x, bias)
-    return _bias_act_dropout(x, bias, seed, activation, threshold, scale, seq_first)
+    return _bias_act_dropout(x, bias, seed, offsets, activation, (threshold, scale, strides))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dropout(x, seed, threshold, scale):
-    return _drop(x.astype(F32), seed, threshold, scale, False).astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dropout(x, seed, offsets, num):
+    return _drop(x.astype(F32), seed, offsets, *num).astype(x.dtype)
 
 
-def _dropout_fwd(x, seed, threshold, scale):
-    return _dropout(x, seed, threshold, scale), seed
+def _dropout_fwd(x, seed, offsets, num):
+    return _dropout(x, seed, offsets, num), (seed, offsets)
 
 
-def _dropout_bwd(threshold, scale, seed, dy):
-    return _drop(dy.astype(F32), seed, threshold, scale, False).astype(dy.dtype), None
+def _dropout_bwd(num, res, dy):
+    seed, offsets = res
+    return _drop(dy.astype(F32), seed, offsets, *num).astype(dy.dtype), None, None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
 
 
-def dropout(x, *, rate: float, key=None, deterministic: bool = False):
+def dropout(x, *, rate: float, key=None, deterministic: bool = False, shard_spec=None):
     """``dropout(x)`` alone, with the mask the fused ops draw (see the module docstring).
 
     Args:
@@ -307,6 +338,10 @@ def dropout(x, *, rate: float, key=None, deterministic: bool = False):
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
       deterministic: no dropout (``x`` itself, as does ``rate == 0``).
+      shard_spec: inside ``shard_map`` only: how ``x`` is split over the manual mesh
+        axes, its ``in_specs`` entry (per dim None, an axis name or a tuple of names),
+        so this device draws its block of the whole array's mask. Default: ``x`` is
+        the whole array. Under plain ``jit`` leave it out; shardings are seen.
 
     Returns:
       ``x``'s shape and dtype: kept elements times ``keep_scale(rate)`` in float32,
@@ -323,4 +358,5 @@ def dropout(x, *, rate: float, key=None, deterministic: bool = False):
     seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
     if threshold == 0:
         return x
-    return _dropout(x, seed, threshold, scale)
+    offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold)
+    return _dropout(x, seed, offsets, (threshold, scale, strides))

@@ -1,4 +1,11 @@
-"""Fused token + position embedding with dropout."""
+"""Fused token + position embedding with dropout.
+
+The dropout mask numbers an output element by its global coordinates (its flat
+row-major index in the whole ``(..., hidden)`` output, 64-bit;
+`jax_ls2._random.keep_mask_at`), so under ``jit`` the ids may stay sharded along any dim
+(batch, sequence) and each shard draws its block of the unsharded mask; inside
+``shard_map`` pass ``shard_spec``.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import OFFSETS, PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -26,14 +33,15 @@ def sinusoid_inv_freq(hidden: int) -> jax.Array:
     return jnp.exp(jnp.arange(max(half, 1), dtype=F32) * -(math.log(10000.0) / max(half - 1, 1)))
 
 
-def _row_seed(seed, hidden):
-    # The kernels count the seed's offset word in rows; the mask is over flat elements.
-    return seed.at[2].set(seed[2] * np.uint32(hidden))
+def _keep(seed, offsets, out_shape, threshold, strides):
+    """The keep mask of the output block ``out_shape`` whose ids start at ``offsets``."""
+    offsets = jnp.concatenate([offsets, jnp.zeros((1,), jnp.uint32)])
+    return _random.keep_mask_at(seed, offsets, out_shape, strides, threshold)
 
 
 # ---------------------------------------------------------------- reference math
-def _fwd_reference(ids, positions, table, pos_table, inv_freq, seed, *, scale, pos_mode, padding_idx,
-                   has_padding, threshold, keep_scale, out_dtype):
+def _fwd_reference(ids, positions, table, pos_table, inv_freq, seed, offsets, *, scale, pos_mode, padding_idx,
+                   has_padding, threshold, keep_scale, out_dtype, strides):
     vocab, hidden = table.shape
     idc = jnp.clip(ids, 0, vocab - 1)
     x = jnp.take(table, idc, axis=0).astype(F32) * np.float32(scale)
@@ -50,16 +58,16 @@ def _fwd_reference(ids, positions, table, pos_table, inv_freq, seed, *, scale, p
     if has_padding:
         x = jnp.where((idc == padding_idx)[..., None], 0.0, x)
     if threshold > 0:
-        keep = _random.keep_mask(_row_seed(seed, hidden), x.shape, threshold)
+        keep = _keep(seed, offsets, x.shape, threshold, strides)
         x = jnp.where(keep, x * np.float32(keep_scale), 0.0)
     return (x.astype(out_dtype),)
 
 
-def _row_grads(dout, ids, seed, vocab, padding_idx, has_padding, threshold, keep_scale):
+def _row_grads(dout, ids, seed, offsets, vocab, padding_idx, has_padding, threshold, keep_scale, strides):
     hidden = dout.shape[-1]
     g = dout.astype(F32)
     if threshold > 0:
-        keep = _random.keep_mask(_row_seed(seed, hidden), g.shape, threshold)
+        keep = _keep(seed, offsets, g.shape, threshold, strides)
         g = jnp.where(keep, g * np.float32(keep_scale), 0.0)
     idc = jnp.clip(ids, 0, vocab - 1)
     if has_padding:
@@ -67,10 +75,10 @@ def _row_grads(dout, ids, seed, vocab, padding_idx, has_padding, threshold, keep
     return g.reshape(-1, hidden), idc.reshape(-1)
 
 
-def _bwd_reference(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, has_padding, threshold,
-                   keep_scale, vocab, max_pos, grad_mode):
+def _bwd_reference(ids, positions, dout, seed, offsets, *, scale, pos_mode, padding_idx, has_padding, threshold,
+                   keep_scale, vocab, max_pos, grad_mode, strides):
     hidden = dout.shape[-1]
-    g, idc = _row_grads(dout, ids, seed, vocab, padding_idx, has_padding, threshold, keep_scale)
+    g, idc = _row_grads(dout, ids, seed, offsets, vocab, padding_idx, has_padding, threshold, keep_scale, strides)
     dtable = jnp.zeros((vocab, hidden), F32).at[idc].add(g * np.float32(scale))
     dpos = jnp.zeros((max_pos, hidden), F32)
     if pos_mode == _POS_LEARNED:
@@ -79,9 +87,13 @@ def _bwd_reference(ids, positions, dout, seed, *, scale, pos_mode, padding_idx, 
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(*arrays, scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, grad_mode=None, **shapes):
+def _attrs(ids, positions, table_or_dout, *arrays, scale, pos_mode, padding_idx, has_padding, threshold,
+           keep_scale, strides, grad_mode=None, **shapes):
+    # The output's (or dout's) local shape: the ids' plus hidden, the last dim of the table or of dout.
+    out_shape = ids.shape + table_or_dout.shape[-1:]
     attrs = dict(scale=np.float32(scale), pos_mode=np.int64(pos_mode), padding_idx=np.int64(padding_idx),
-                 has_padding=bool(has_padding), threshold=np.int64(threshold), keep_scale=np.float32(keep_scale))
+                 has_padding=bool(has_padding), threshold=np.int64(threshold), keep_scale=np.float32(keep_scale),
+                 **_random.kernel_row_attrs(out_shape, threshold, strides))
     if grad_mode is not None:
         attrs["deterministic"] = grad_mode == "sorted"
     return attrs
@@ -91,7 +103,7 @@ def _fwd_types(ids, positions, table, *arrays, out_dtype, **static):
     return (result_type(ids, ids.shape + (table.shape[1],), out_dtype),)
 
 
-def _bwd_types(ids, positions, dout, seed, *, vocab, max_pos, **static):
+def _bwd_types(ids, positions, dout, seed, offsets, *, vocab, max_pos, **static):
     hidden = dout.shape[-1]
     return result_type(dout, (vocab, hidden), F32), result_type(dout, (max_pos, hidden), F32)
 
@@ -101,57 +113,80 @@ def _order(keys, n):
     return jnp.argsort(flat, stable=True).astype(jnp.int32).reshape(keys.shape)
 
 
-def _bwd_operands(ids, positions, dout, seed, *, pos_mode, vocab, max_pos, grad_mode, **static):
+def _kernel_seed(seed, offsets, strides):
+    # The ids' offsets against the output's strides but the last (hidden, never split).
+    return _random.kernel_seed(seed, offsets, strides[:-1])
+
+
+def _fwd_operands(ids, positions, table, pos_table, inv_freq, seed, offsets, *, strides, **static):
+    return ids, positions, table, pos_table, inv_freq, _kernel_seed(seed, offsets, strides)
+
+
+def _bwd_operands(ids, positions, dout, seed, offsets, *, pos_mode, vocab, max_pos, grad_mode, strides, **static):
     # The kernel also takes the order in which to visit the rows: sorted by id (and by
     # position) for the reproducible mode; unused (ids passed as a placeholder) otherwise.
     det = grad_mode == "sorted"
     tok_order = _order(ids, vocab) if det else ids
     pos_order = _order(positions, max_pos) if det and pos_mode == _POS_LEARNED else ids
-    return dout, ids, positions, seed, tok_order, pos_order
+    return dout, ids, positions, _kernel_seed(seed, offsets, strides), tok_order, pos_order
 
 
-# ids come first in both kernels: the partitioner advances the seed's offset word by
-# the rows of the first ROWS operand before the shard, and the kernels count it in rows.
-_I, _X, _P, _S = Role(ROWS, 0), Role(ROWS, 1), Role(PARAM), Role(SEED)
-_FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, operands=(_I, _I, _P, _P, _P, _S), results=(_X,),
-                   result_types=_fwd_types, attrs=_attrs, vmap_method="broadcast_all")
-_BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, operands=(_I, _I, _X, _S),
+def _dropping(static) -> bool:
+    return static["threshold"] != 0
+
+
+# ids come first in both kernels: the offsets are the ids' (every dim shardable); with
+# dropout active, vmap runs the examples one by one, each drawing its own mask.
+_I, _X, _P, _S, _O = Role(ROWS, 0), Role(ROWS, 1), Role(PARAM), Role(SEED), Role(OFFSETS)
+_FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, operands=(_I, _I, _P, _P, _P, _S, _O), results=(_X,),
+                   result_types=_fwd_types, attrs=_attrs, ffi_operands=_fwd_operands, vmap_method="broadcast_all",
+                   per_example=_dropping)
+_BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, operands=(_I, _I, _X, _S, _O),
                    results=(Role(SUM), Role(SUM)), result_types=_bwd_types, attrs=_attrs,
-                   ffi_operands=_bwd_operands, vmap_method="sequential")
+                   ffi_operands=_bwd_operands, vmap_method="sequential", per_example=_dropping)
 
 
 # ---------------------------------------------------------------- custom_vjp
-# cfg: (scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, out_dtype, grad_mode,
+# cfg: (scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, out_dtype, strides, grad_mode,
 #       vocab, max_pos, table dtype, pos_table dtype), all static
 def _fwd_static(cfg):
-    scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, out_dtype = cfg[:7]
+    scale, pos_mode, padding_idx, has_padding, threshold, keep_scale, out_dtype, strides = cfg[:8]
     return dict(scale=scale, pos_mode=pos_mode, padding_idx=padding_idx, has_padding=has_padding,
-                threshold=threshold, keep_scale=keep_scale, out_dtype=out_dtype)
+                threshold=threshold, keep_scale=keep_scale, out_dtype=out_dtype, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _embedding(ids, positions, table, pos_table, inv_freq, seed, cfg):
-    return _FWD(ids, positions, table, pos_table, inv_freq, seed, **_fwd_static(cfg))[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _embedding(ids, positions, table, pos_table, inv_freq, seed, offsets, cfg):
+    return _FWD(ids, positions, table, pos_table, inv_freq, seed, offsets, **_fwd_static(cfg))[0]
 
 
-def _embedding_fwd(ids, positions, table, pos_table, inv_freq, seed, cfg):
-    out = _FWD(ids, positions, table, pos_table, inv_freq, seed, **_fwd_static(cfg))[0]
-    return out, (ids, positions, seed)
+def _embedding_fwd(ids, positions, table, pos_table, inv_freq, seed, offsets, cfg):
+    out = _FWD(ids, positions, table, pos_table, inv_freq, seed, offsets, **_fwd_static(cfg))[0]
+    return out, (ids, positions, seed, offsets)
 
 
 def _embedding_bwd(cfg, res, dout):
-    ids, positions, seed = res
-    grad_mode, vocab, max_pos, tdt, pdt = cfg[7:]
+    ids, positions, seed, offsets = res
+    grad_mode, vocab, max_pos, tdt, pdt = cfg[8:]
     st = _fwd_static(cfg)
     st.pop("out_dtype")
-    dtable, dpos = _BWD(ids, positions, dout, seed, vocab=vocab, max_pos=max_pos, grad_mode=grad_mode, **st)
+    dtable, dpos = _BWD(ids, positions, dout, seed, offsets, vocab=vocab, max_pos=max_pos, grad_mode=grad_mode,
+                        **st)
     # Under shard_map the gradients vary as dout does, like the tables they are for (an
     # unused position table's zero gradient included).
     dtable, dpos = match_varying(dout, dtable, dpos)[1:]
-    return None, None, dtable.astype(tdt), dpos.astype(pdt), None, None
+    return None, None, dtable.astype(tdt), dpos.astype(pdt), None, None, None
 
 
 _embedding.defvjp(_embedding_fwd, _embedding_bwd, optimize_remat=True)
+
+
+def _out_spec(shard_spec, ndim):
+    """The output's spec from the ids': hidden never split."""
+    if shard_spec is None:
+        return None
+    spec = tuple(shard_spec)
+    return spec + (None,) * (ndim - len(spec)) + (None,) if len(spec) <= ndim else spec
 
 
 def _check_index_range(op, name, x, n, what):
@@ -164,7 +199,7 @@ def _check_index_range(op, name, x, n, what):
 
 def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None, sinusoidal: bool = False,
               padding_idx: int | None = None, rate: float = 0.0, key=None, deterministic: bool = False,
-              dtype=None, grad_mode: str = "atomic"):
+              dtype=None, grad_mode: str = "atomic", shard_spec=None):
     """``dropout(scale * table[ids] + P[positions])`` in one kernel.
 
     Args:
@@ -180,12 +215,17 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
       padding_idx: ids equal to it give a zero output row and no gradient (to either
         table).
       rate, key, deterministic: dropout on the sum with the shared counter-based mask
-        (``jax_ls2._random``) over the flat output; ``key`` a JAX PRNG key.
+        (``jax_ls2._random``) over the flat output, numbered in the whole output;
+        ``key`` a JAX PRNG key.
       dtype: output dtype (default ``table.dtype``); e.g. an fp32 table with bf16
         activations, read and cast in the kernel.
       grad_mode: ``"atomic"`` (fp32 atomics: fast, summation order varies between
         runs) or ``"sorted"`` (rows sorted by id, each id's rows summed in a fixed
         order: bitwise reproducible).
+      shard_spec: inside ``shard_map`` only: how ``ids`` is split over the manual mesh
+        axes, its ``in_specs`` entry, so this device draws its block of the whole
+        output's mask (and default positions count from the block's first position).
+        Default: ``ids`` are the whole array.
 
     Returns:
       ``(..., hidden)`` in ``dtype``.
@@ -205,8 +245,6 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     if not 1 <= vocab < 2**31 or hidden < 1:
         raise ValueError(f"{op}: table must be (vocab, hidden) with 1 <= vocab < 2**31 and hidden >= 1, "
                          f"got {tuple(table.shape)}")
-    if math.prod(ids.shape) * hidden >= 2**32:
-        raise ValueError(f"{op}: the output must have fewer than 2**32 elements, got {ids.shape + (hidden,)}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
     if pos_table is not None and sinusoidal:
@@ -243,10 +281,14 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     if pos_mode == _POS_NONE:
         positions = jnp.zeros(ids.shape, jnp.int32)
     elif positions is None:
-        if pos_mode == _POS_LEARNED and ids.shape[-1] > pos_table.shape[0]:
-            raise ValueError(f"{op}: the default positions 0 .. {ids.shape[-1] - 1} need a pos_table of at least "
-                             f"{ids.shape[-1]} rows, got {pos_table.shape[0]}")
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
+        # This block's positions in the whole sequence (inside shard_map, its offset).
+        ids_offsets, ids_global = _random.shard_box(op, ids.shape, shard_spec)
+        length = ids_global[-1]
+        if pos_mode == _POS_LEARNED and length > pos_table.shape[0]:
+            raise ValueError(f"{op}: the default positions 0 .. {length - 1} need a pos_table of at least "
+                             f"{length} rows, got {pos_table.shape[0]}")
+        first = ids_offsets[-1].astype(jnp.int32)
+        positions = jnp.broadcast_to(first + jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
     else:
         _checks.check_array(op, "positions", positions, dtypes=None)
         if not jnp.issubdtype(positions.dtype, jnp.integer):
@@ -265,10 +307,12 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     threshold = _random.dropout_threshold(rate) if dropping else 0
     keep = _random.keep_scale(rate) if dropping else 1.0
     seed = _random.seed_words(key) if dropping else jnp.zeros((3,), jnp.uint32)
+    offsets, strides = _random.numbering(op, ids.shape + (hidden,), _out_spec(shard_spec, ids.ndim), threshold)
+    offsets = offsets[:-1]  # the ids' dims; hidden is never split
     cfg = (float(scale), pos_mode, int(padding_idx or 0), padding_idx is not None, int(threshold), float(keep),
-           out_dtype.name, grad_mode, vocab, pos_table.shape[0], jnp.dtype(table.dtype).name,
+           out_dtype.name, strides, grad_mode, vocab, pos_table.shape[0], jnp.dtype(table.dtype).name,
            jnp.dtype(pos_table.dtype).name)
     # Under shard_map, replicated tables meeting per-device ids become per-device too, and
     # their gradients are summed over the devices (see match_varying).
     ids, positions, table, pos_table = match_varying(_checks.clamp_to_int32(ids), positions, table, pos_table)
-    return _embedding(ids, positions, table, pos_table, inv_freq, seed, cfg)
+    return _embedding(ids, positions, table, pos_table, inv_freq, seed, offsets, cfg)

@@ -1,4 +1,11 @@
-"""Fused attention softmax: scale, additive bias, boolean and causal masks, dropout."""
+"""Fused attention softmax: scale, additive bias, boolean and causal masks, dropout.
+
+The dropout mask numbers an element by its global coordinates (the flat row-major
+index in the whole ``scores`` array, 64-bit; `jax_ls2._random.keep_mask_at`), so a shard
+draws exactly its block of the unsharded mask: under ``jit`` the batch-like dims
+(batch, heads) may stay sharded, and the query dim too without ``causal``; inside
+``shard_map`` pass ``shard_spec``.
+"""
 from __future__ import annotations
 
 import functools
@@ -8,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import BCAST, ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import BCAST, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -36,7 +43,8 @@ def _probs(x, m, inv):
     return jnp.exp(x - m) * inv
 
 
-def _fwd_reference(scores, bias, mask, seed, *, scale, causal, threshold, keep_scale, has_bias, has_mask):
+def _fwd_reference(scores, bias, mask, seed, offsets, *, scale, causal, threshold, keep_scale, has_bias, has_mask,
+                   strides):
     x = _logits(scores, bias, mask, scale=scale, causal=causal, has_bias=has_bias, has_mask=has_mask)
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(m == -jnp.inf, 0.0, m)  # fully masked rows: every exp is 0
@@ -44,27 +52,29 @@ def _fwd_reference(scores, bias, mask, seed, *, scale, causal, threshold, keep_s
     inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
     p = _probs(x, m, inv)
     if threshold:
-        keep = _random.keep_mask(seed, scores.shape, threshold)
+        keep = _random.keep_mask_at(seed, offsets, scores.shape, strides, threshold)
         p = jnp.where(keep, p * np.float32(keep_scale), 0.0)
     return p.astype(scores.dtype), jnp.concatenate([m, inv], axis=-1)
 
 
-def _bwd_reference(dy, scores, bias, mask, stats, seed, *, scale, grad_scale, causal, threshold, keep_scale,
-                   has_bias, has_mask):
+def _bwd_reference(dy, scores, bias, mask, stats, seed, offsets, *, scale, grad_scale, causal, threshold,
+                   keep_scale, has_bias, has_mask, strides):
     x = _logits(scores, bias, mask, scale=scale, causal=causal, has_bias=has_bias, has_mask=has_mask)
     p = _probs(x, stats[..., :1], stats[..., 1:])
     g = dy.astype(F32)
     if threshold:
-        keep = _random.keep_mask(seed, scores.shape, threshold)
+        keep = _random.keep_mask_at(seed, offsets, scores.shape, strides, threshold)
         g = jnp.where(keep, g * np.float32(keep_scale), 0.0)
     acc = jnp.sum(g * p, axis=-1, keepdims=True)
     return ((np.float32(grad_scale) * p * (g - acc)).astype(scores.dtype),)
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(*arrays, scale, causal, threshold, keep_scale, has_bias, has_mask, grad_scale=None):
+def _attrs(x, *arrays, scale, causal, threshold, keep_scale, has_bias, has_mask, strides, grad_scale=None):
+    # x: scores (forward) or dy (backward), of the scores' shape.
     attrs = dict(scale=np.float32(scale), threshold=np.int32(threshold), keep_scale=np.float32(keep_scale),
-                 causal=bool(causal), has_bias=bool(has_bias), has_mask=bool(has_mask))
+                 causal=bool(causal), has_bias=bool(has_bias), has_mask=bool(has_mask),
+                 **_random.kernel_row_attrs(x.shape, threshold, strides))
     if grad_scale is not None:
         attrs["grad_scale"] = np.float32(grad_scale)
     return attrs
@@ -78,40 +88,53 @@ def _bwd_types(dy, scores, *arrays, **static):
     return (result_type(scores),)
 
 
-# scores/dy/dx/y: (*batch, q, k) with the q and k dims processed whole (causal needs
-# the true query index), so only the batch-like dims shard; bias and mask broadcast.
-_R2, _B2, _S = Role(ROWS, 2), Role(BCAST, 2), Role(SEED)
-_FWD = FusedKernel("jax_ls2_softmax_dropout_fwd", _fwd_reference, operands=(_R2, _B2, _B2, _S),
-                   results=(_R2, _R2), result_types=_fwd_types, attrs=_attrs, vmap_method="sequential")
-_BWD = FusedKernel("jax_ls2_softmax_dropout_bwd", _bwd_reference, operands=(_R2, _R2, _B2, _B2, _R2, _S),
-                   results=(_R2,), result_types=_bwd_types, attrs=_attrs, vmap_method="sequential")
+def _dropping(static) -> bool:
+    return static["threshold"] != 0
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(causal: bool):
+    """(forward, backward). scores/dy/dx/y: (*batch, q, k), the k dim processed whole;
+    the q dim is batch-like (shardable) unless causal, whose mask needs the query's
+    index in the whole q dim. bias and mask broadcast; stats (*batch, q, 2). With
+    dropout active, vmap runs the examples one by one, each drawing its own mask."""
+    tail = 2 if causal else 1
+    r, b, s, o = Role(ROWS, tail), Role(BCAST, tail), Role(SEED), Role(OFFSETS)
+    options = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, vmap_method="sequential",
+                   per_example=_dropping)
+    fwd = FusedKernel("jax_ls2_softmax_dropout_fwd", _fwd_reference, operands=(r, b, b, s, o), results=(r, r),
+                      result_types=_fwd_types, **options)
+    bwd = FusedKernel("jax_ls2_softmax_dropout_bwd", _bwd_reference, operands=(r, r, b, b, r, s, o),
+                      results=(r,), result_types=_bwd_types, **options)
+    return fwd, bwd
 
 
 # ---------------------------------------------------------------- custom_vjp
-# cfg = (scale, causal, threshold, keep_scale, has_bias, has_mask), all static.
+# cfg = (scale, causal, threshold, keep_scale, has_bias, has_mask, strides), all static.
 def _static(cfg):
-    scale, causal, threshold, keep_scale, has_bias, has_mask = cfg
+    scale, causal, threshold, keep_scale, has_bias, has_mask, strides = cfg
     return dict(scale=scale, causal=causal, threshold=threshold, keep_scale=keep_scale, has_bias=has_bias,
-                has_mask=has_mask)
+                has_mask=has_mask, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _softmax_dropout(scores, bias, mask, seed, cfg):
-    return _FWD(scores, bias, mask, seed, **_static(cfg))[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _softmax_dropout(scores, bias, mask, seed, offsets, cfg):
+    return _kernels(cfg[1])[0](scores, bias, mask, seed, offsets, **_static(cfg))[0]
 
 
-def _softmax_dropout_fwd(scores, bias, mask, seed, cfg):
-    y, stats = _FWD(scores, bias, mask, seed, **_static(cfg))
-    return y, (scores, bias, mask, seed, stats)
+def _softmax_dropout_fwd(scores, bias, mask, seed, offsets, cfg):
+    y, stats = _kernels(cfg[1])[0](scores, bias, mask, seed, offsets, **_static(cfg))
+    return y, (scores, bias, mask, seed, offsets, stats)
 
 
 def _softmax_dropout_bwd(cfg, res, dy):
-    scores, bias, mask, seed, stats = res
+    scores, bias, mask, seed, offsets, stats = res
     scale, has_bias = cfg[0], cfg[4]
     # grad_scale = scale gives d scores directly; with scale == 0 the kernel returns
     # d logits instead (needed for the bias) and d scores is zero.
     grad_scale = scale if scale != 0.0 else 1.0
-    (dx,) = _BWD(dy, scores, bias, mask, stats, seed, grad_scale=grad_scale, **_static(cfg))
+    (dx,) = _kernels(cfg[1])[1](dy, scores, bias, mask, stats, seed, offsets, grad_scale=grad_scale,
+                                **_static(cfg))
     dbias = None
     if has_bias:
         axes = tuple(i for i, (b, s) in enumerate(zip(bias.shape, scores.shape)) if b == 1 and s != 1)
@@ -121,14 +144,14 @@ def _softmax_dropout_bwd(cfg, res, dy):
         dbias = (dz / np.float32(grad_scale)).reshape(bias.shape).astype(bias.dtype)
     if scale == 0.0:
         dx = jnp.zeros_like(dx)
-    return dx, dbias, None, None
+    return dx, dbias, None, None, None
 
 
 _softmax_dropout.defvjp(_softmax_dropout_fwd, _softmax_dropout_bwd, optimize_remat=True)
 
 
 def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal: bool = False,
-                    rate: float = 0.0, key=None, deterministic: bool = False):
+                    rate: float = 0.0, key=None, deterministic: bool = False, shard_spec=None):
     """Attention probabilities ``dropout(softmax(scale * scores + bias, masked))``.
 
     Args:
@@ -149,9 +172,14 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
       rate: dropout rate in [0, 1), quantised to 1/65536 (see ``jax_ls2._random``).
       key: JAX PRNG key (traced), required when ``rate > 0`` and not deterministic. The
         mask is the shared counter-based one: element index = flat row-major index of
-        ``scores``, so the same key gives the same mask on every backend.
+        ``scores`` in the whole array, so the same key gives the same mask on every
+        backend and under any sharding.
       deterministic: no dropout (also when ``rate == 0``); the result is then exactly
         the undropped softmax.
+      shard_spec: inside ``shard_map`` only: how ``scores`` is split over the manual
+        mesh axes, its ``in_specs`` entry, so this device draws its block of the whole
+        mask. The batch-like dims may be split, the query dim only without ``causal``,
+        the key dim never. Default: ``scores`` is the whole array.
 
     Returns:
       Probabilities of ``scores``' shape and dtype. Rows with no attended key (fully
@@ -203,8 +231,15 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
     else:
         seed = jnp.zeros((3,), jnp.uint32)
         keep_scale = 1.0
-    cfg = (float(scale), bool(causal), int(threshold), float(keep_scale), has_bias, has_mask)
+    if shard_spec is not None:
+        spec = tuple(shard_spec) + (None,) * (len(shape) - len(tuple(shard_spec)))
+        whole = (len(shape) - 2, len(shape) - 1) if causal else (len(shape) - 1,)
+        if any(spec[d] is not None for d in whole if d < len(spec)):
+            raise ValueError(f"{op}: shard_spec must not split the key dim{' or, with causal, the query dim' if causal else ''} "
+                             f"(rows are normalised whole), got {shard_spec!r}")
+    offsets, strides = _random.numbering(op, shape, shard_spec, threshold)
+    cfg = (float(scale), bool(causal), int(threshold), float(keep_scale), has_bias, has_mask, strides)
     # Under shard_map, a replicated bias meeting per-device scores becomes per-device
     # too, and its gradient is summed over the devices (see match_varying).
     scores, bias = match_varying(scores, bias)
-    return _softmax_dropout(scores, bias, mask, seed, cfg)
+    return _softmax_dropout(scores, bias, mask, seed, offsets, cfg)
