@@ -11,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_models as fm
+from jax_ls2 import parallel
 from jax_ls2.fp8 import FP8Meta
-from jax_ls2.optim import update_nnx
+from jax_ls2.optim import FusedGradientTransformation, shard_optimizer, update_nnx
+from jax_ls2.optim.sharded import state_layout
 
 
 def lr_schedule(lr: float, steps: int, warmup: int):
@@ -45,17 +48,81 @@ def _adamw(factory, lr: float, steps: int, warmup: int, weight_decay: float):
     return factory(learning_rate=lr_schedule(lr, steps, warmup), weight_decay=weight_decay)
 
 
-def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None):
+def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None, zero: bool = False):
     """(graphdef, state) of (model, optimizer). ``params_from``: a model whose params are
-    copied in (so twins start from identical weights)."""
+    copied in (so twins start from identical weights).
+
+    mesh: None (one device), or a ``jax.sharding.Mesh`` (``jax_ls2.parallel.make_mesh``)
+    the state is placed on: params as their partition specs say (replicated without
+    any), a fused optimizer through ``jax_ls2.optim.shard_optimizer`` (its state split as
+    the params are, and over the data axis with ``zero``, ZeRO-1), everything else
+    replicated. Works with several processes: each builds the same host values."""
     model = fm.build(cfg, impl=impl, dtype=dtype, seed=seed, train=True)
     if params_from is not None:
         nnx.update(model, jax.tree.map(jnp.copy, nnx.state(params_from, nnx.Param)))
+    if mesh is None:
+        if zero:
+            raise ValueError("create: zero (ZeRO-1) needs a mesh")
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        graphdef, state = nnx.split((model, opt))
+        # committed to the device, as a restored checkpoint's arrays are, so a fresh and a
+        # resumed run call the compiled step with the same input signature
+        return graphdef, jax.device_put(state, jax.devices()[0])
+    model_state = nnx.state(model)
+    nnx.update(model, place_on_mesh(model_state, mesh, nnx.get_partition_spec(model_state)))
+    if isinstance(tx, FusedGradientTransformation):
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        tx = shard_optimizer(tx, mesh, specs, zero_axis=parallel.DATA if zero else None)
+    elif zero:
+        raise ValueError("create: zero (ZeRO-1) needs the fused optimizer (jax_ls2.optim), not "
+                         f"{type(tx).__name__}")
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
-    # committed to the device, as a restored checkpoint's arrays are, so a fresh and a
-    # resumed run call the compiled step with the same input signature
-    return graphdef, jax.device_put(state, jax.devices()[0])
+    return graphdef, place_on_mesh(state, mesh)
+
+
+def _global_array(x, sharding):
+    """`x` (a host-computable array, the same value in every process) as a global array
+    with `sharding`; PRNG keys through their key data."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_global_array(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_on_mesh(state, mesh, specs=None):
+    """`state` with every array on `mesh`: arrays already on it stay; the others (host
+    values, or arrays on one local device) are placed as `specs` (a tree of
+    ``PartitionSpec`` like ``nnx.get_partition_spec(state)``) says, replicated where
+    there is none."""
+    leaves, treedef = jax.tree.flatten(state)
+    if specs is None:
+        specs = [P()] * len(leaves)
+    else:
+        specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P) or s is None)
+        specs = [P() if s is None else s for s in specs]
+    out = []
+    for x, spec in zip(leaves, specs):
+        on_mesh = isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+        out.append(x if on_mesh else _global_array(x, NamedSharding(mesh, spec)))
+    return jax.tree.unflatten(treedef, out)
+
+
+def shard_batch(batch: dict, mesh):
+    """A host batch (a dict of numpy arrays, the same in every process) as global arrays
+    split over the mesh's data axis along their first dim."""
+    data_spec = NamedSharding(mesh, P(parallel.DATA))
+    return {k: _global_array(v, data_spec) for k, v in batch.items()}
+
+
+def to_host(x) -> np.ndarray:
+    """`x` as a numpy array in this process, gathered from the other processes' devices
+    where it is split across them."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 @functools.lru_cache(maxsize=32)
@@ -120,7 +187,7 @@ def checksum(arrays) -> str:
     """SHA-256 (hex) over the dtype, shape and bytes of each array, in order."""
     h = hashlib.sha256()
     for a in arrays:
-        a = np.ascontiguousarray(np.asarray(a))
+        a = np.ascontiguousarray(to_host(a))
         h.update(f"{a.dtype}{a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
@@ -133,14 +200,16 @@ def _manager(directory: str, **kw):
                                                     "meta": ocp.JsonCheckpointHandler()}, **kw)
 
 
-def save_checkpoint(directory: str, step: int, state, model: str = "") -> None:
+def save_checkpoint(directory: str, step: int, state, model: str = "", optimizer_layout: str = "") -> None:
     """Save the full training state at ``step`` under ``directory`` (orbax, keeps 2), with
     metadata: the step, ``model`` (a description for error messages), each array's path,
-    shape and dtype, and the arrays' `checksum`."""
+    shape and dtype, the arrays' `checksum`, and ``optimizer_layout`` (`optimizer_layout`
+    of the state: "" for the standard layout). Arrays sharded over a mesh are written
+    shard by shard (every process calls this)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, _, _ = _flat(state)
-    host = [np.asarray(a) for a in arrays.values()]
-    meta = {"step": int(step), "model": model, "arrays": _layout(state), "sha256": checksum(host)}
+    meta = {"step": int(step), "model": model, "arrays": _layout(state), "sha256": checksum(arrays.values()),
+            "optimizer_layout": optimizer_layout}
     with _manager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                 meta=ocp.args.JsonSave(meta)))
@@ -170,12 +239,27 @@ def _other_model(where: str, meta: dict, expected: list) -> str | None:
     return None
 
 
-def restore_checkpoint(directory: str, template, step: int | None = None):
-    """(state shaped like ``template``, step) from ``directory`` (latest step by default).
+def optimizer_layout(graphdef, state) -> str:
+    """How the optimizer state of (model, optimizer) is split over its mesh (see
+    ``jax_ls2.optim.sharded.state_layout``): "" for the standard layout, which restores
+    onto any mesh."""
+    model, opt = nnx.merge(graphdef, state)
+    return state_layout(opt.tx, nnx.state(model, opt.wrt))
+
+
+def _layout_text(layout: str) -> str:
+    return f"[{layout}]" if layout else "[the standard layout, any mesh]"
+
+
+def restore_checkpoint(directory: str, template, step: int | None = None, optimizer_layout: str = ""):
+    """(state shaped like ``template``, step) from ``directory`` (latest step by default),
+    onto the template's shardings (another mesh than the one saved from is fine while
+    the optimizer state's layout is the same).
 
     Raises FileNotFoundError without a checkpoint, and `CheckpointError` when the
-    checkpoint's arrays are not the template's (another model) or their checksum differs
-    from the one saved with them (corrupted)."""
+    checkpoint's arrays are not the template's (another model), its optimizer state is
+    split otherwise than ``optimizer_layout`` says, or their checksum differs from the
+    one saved with them (corrupted)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, treedef, is_key = _flat(template)
     # restored onto the template's shardings, so a step compiled for the template runs as is
@@ -194,6 +278,11 @@ def restore_checkpoint(directory: str, template, step: int | None = None):
         why = _other_model(where, meta, _layout(template))
         if why:
             raise CheckpointError(why)
+        saved = meta.get("optimizer_layout", "")
+        if saved != optimizer_layout:
+            raise CheckpointError(f"{where} holds optimizer state split as {_layout_text(saved)}, this run's is "
+                                  f"split as {_layout_text(optimizer_layout)}; resume with the mesh (and "
+                                  "ZeRO-1 setting) it was saved with")
         try:
             got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         except Exception as e:  # noqa: BLE001

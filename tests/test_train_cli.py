@@ -8,8 +8,10 @@ import os
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import flax_models as fm
 import jax_ls2
@@ -204,7 +206,7 @@ class _Device:
 
 def test_peak_memory_is_measured_per_run(monkeypatch):
     device = _Device([5e9, 7e9, 7e9, 6e9])  # run 1: 5 -> 7 GB; run 2: 7 -> 6... stays at 7
-    monkeypatch.setattr(T.jax, "devices", lambda: [device])
+    monkeypatch.setattr(T.jax, "local_devices", lambda: [device])
     run1 = T.PeakMemory()
     assert run1.result() == (7e9, "7.00 GB")
     run2 = T.PeakMemory()  # its own peak stayed below run 1's: not measurable, say so
@@ -273,6 +275,15 @@ def test_checksum_mismatch_is_refused(compare_run, tmp_path):
     (["--preset", "base"], "--preset for gpt must be one of tiny, small, medium, got 'base'"),
     (["--mlm-max-predictions", "8"], "--mlm-max-predictions applies to bert, not gpt"),
     (["--compare", "--attention-backend", "fused"], "--attention-backend fused has no plain-Flax"),
+    (["--mesh", "data=2,batch=4"], "--mesh: parse_mesh_spec: unknown axis 'batch'"),
+    (["--mesh", "data=3"], "the axis sizes data=3 multiply to 3, but there are 8 devices"),
+    (["--mesh", "tensor=8"], "tensor=8 does not divide the 4 heads of gpt/tiny"),
+    (["--mesh", "data=2,pipe=4"], "pipe=4 does not divide the 2 layers of gpt/tiny"),
+    (["--mesh", "data=8", "--batch", "4"], "data=8 does not divide --batch 4"),
+    (["--mesh", "data=2,tensor=4"], "tensor=4: splitting the zoo models over the tensor, seq or pipe axes is not "
+                                    "supported yet"),
+    (["--zero1"], "--zero1 needs --mesh"),
+    (["--mesh", "data=8", "--zero1", "--optimizer", "optax"], "--zero1 needs the fused optimizer"),
 ])
 def test_usage_errors_before_any_training(monkeypatch, capsys, extra, message):
     monkeypatch.setattr(T, "train", lambda *a, **k: pytest.fail("training started"))
@@ -316,3 +327,30 @@ def test_plot_draws_both_runs(compare_run, tmp_path):
     plot.main([os.path.join(ckpt, "metrics.jsonl"), os.path.join(ckpt, "metrics-plain.jsonl"),
                "-o", out])
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- mesh
+MESH_RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3",
+            "--dropout", "0.1", "--eval-every", "0", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return _main(MESH_RUN)
+
+
+def _printed_losses(out):
+    return re.findall(r"^ls2 step \d+/3 \| loss (\d+\.\d{4})", out, re.M)
+
+
+def test_data_mesh_with_zero1_prints_the_same_losses(one_device_run):
+    want, want_out = one_device_run
+    got, out = _main(MESH_RUN + ["--mesh", "data=8", "--zero1"])
+    assert "mesh data=8 (8 devices, 1 processes)" in out
+    assert "jax_ls2.optim.adamw (state split over data=8 (ZeRO-1))" in out
+    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    # batch split over 8 devices with dropout on: the same masks, the sums in another order
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+    _, opt = nnx.merge(got["graphdef"], got["state"])
+    (mu,) = jax.tree.leaves(opt.opt_state.mu)
+    assert mu.addressable_shards[0].data.size * 8 == mu.size

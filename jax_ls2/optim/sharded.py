@@ -356,3 +356,17 @@ def _convert(update: ShardedUpdate, plan: Plan, leaves, state: FusedState, *, to
                             out_specs=[getattr(specs, f) for f in present], check_vma=False)
         new = dict(zip(present, jax.jit(run)(*trees)))
     return state._replace(**new)
+
+
+def state_layout(tx, params) -> str:
+    """How `tx`'s flat state for `params` is split: ``""`` for the standard layout (an
+    unsharded optimizer's, or a sharded one's whose params are all replicated, without
+    ZeRO), else the axes with their sizes, e.g. ``"data=2 (ZeRO-1), tensor=4"``. States
+    of equal layouts are interchangeable; others go through `gather_state` /
+    `scatter_state`."""
+    update = getattr(tx, "update", None)
+    if not isinstance(update, ShardedUpdate):
+        return ""
+    _, _, plan = update.plan(params)
+    sizes = dict(update.mesh.shape)
+    return ", ".join(f"{a}={sizes[a]}" + (" (ZeRO-1)" if a == update.zero_axis else "") for a in plan.state_axes)
