@@ -133,6 +133,10 @@ def test_bad_inputs():
         gated_act_dropout(x, rate=1.0, key=KEY)
     with pytest.raises(TypeError, match="gated_act_dropout: deterministic must be a Python bool"):
         gated_act_dropout(x, deterministic="yes")
+    with pytest.raises(ValueError, match="gated_act_dropout: key must be a single PRNG key"):
+        gated_act_dropout(x, rate=0.1, key=jax.random.split(KEY, 2))
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(gated_act_dropout(x) ** 2))(x)))(x)
 
 
 # ---------------------------------------------------------------- GPU

@@ -205,6 +205,8 @@ def test_bad_inputs():
         rms_norm(x, g, residual=r, return_input=True)
     with pytest.raises(TypeError, match="rms_norm: unit_offset must be a Python bool"):
         rms_norm(x, g, unit_offset=1)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(rms_norm(x, g) ** 3))(x)))(x)
 
 
 # ---------------------------------------------------------------- GPU

@@ -6,7 +6,9 @@ before any `RotaryScaling`. The pairs are ``(x[i], x[i + rotary_dim / 2])`` (the
 GPT-NeoX / Hugging Face LLaMA layout) or, with ``interleaved=True``, ``(x[2 i], x[2 i + 1])``
 (the GPT-J / original LLaMA layout); the dims from ``rotary_dim`` on pass through.
 Positions are given per token, so packed sequences (positions restarting inside a row)
-and sequence-sharded inputs (each shard its own positions) need nothing more.
+and sequence-sharded inputs (each shard its own positions) need nothing more. Under
+``jit`` with sharded inputs the batch and sequence dims stay sharded; heads sharded over a
+mesh axis are gathered, so tensor-parallel heads call it inside ``shard_map``.
 """
 from __future__ import annotations
 
