@@ -204,3 +204,51 @@ def test_tiny_llama_trains_to_the_twins_losses_every_step():
     ours, twin = _train_losses("ls2", init), _train_losses("plain", init)
     assert ours[-1] < ours[0]
     np.testing.assert_allclose(ours, twin, rtol=0.02)
+
+
+# ---------------------------------------------------------------- GPU
+# Head dims 64 and 128 (the flash-attention kernels' sizes), the layer's kernels in bf16 /
+# fp16 against the plain twin in the same dtype, both against the twin in float64 on the
+# CPU: the 2x rule for the output and every gradient.
+GPU_BLOCKS = {"llama": dict(num_kv_heads=2), "gemma": dict(num_kv_heads=1, head_dim=128, unit_offset=True,
+                                                           activation="geglu_tanh")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block", sorted(GPU_BLOCKS))
+def test_gpu_decoder_layer_against_float64_truth(dtype, block):
+    from numerics import assert_within_2x
+    hidden, ffn, heads, shape = 512, 1376, 8, (2, 257)
+    kw = dict(GPU_BLOCKS[block], rngs=nnx.Rngs(0), deterministic=True)
+    ours = ls2.DecoderLayer(hidden, ffn, heads, dtype=dtype, **kw)
+    params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(a.size), a.shape),
+                          nnx.state(ours, nnx.Param))
+    nnx.update(ours, params)
+    twin = plain.DecoderLayer(hidden, ffn, heads, dtype=dtype, **kw)
+    nnx.update(twin, params)
+    x = jax.random.normal(jax.random.key(1), (*shape, hidden)).astype(dtype)
+    positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+    ct = jax.random.normal(jax.random.key(2), (*shape, hidden))
+
+    def out_and_grads(graphdef, params, rest, x, ct):
+        def f(p, x):
+            y = nnx.merge(graphdef, p, rest)(x, positions=positions)
+            return jnp.sum(y.astype(ct.dtype) * ct), y
+        (_, y), g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+        return y, g
+
+    got = jax.jit(out_and_grads, static_argnums=0)(*nnx.split(ours, nnx.Param, ...), x, ct)
+    xla = jax.jit(out_and_grads, static_argnums=0)(*nnx.split(twin, nnx.Param, ...), x, ct)
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        twin64 = plain.DecoderLayer(hidden, ffn, heads, dtype=jnp.float64, param_dtype=jnp.float64, **kw)
+        to64 = lambda a: jax.device_put(jnp.asarray(np.asarray(a, np.float64)), cpu)
+        graphdef, p64, rest = nnx.split(twin64, nnx.Param, ...)
+        p64 = jax.tree.map(to64, params)
+        truth = out_and_grads(graphdef, p64, rest, to64(x), to64(ct))
+        truth = jax.tree.map(np.asarray, truth)
+    assert_within_2x("y", got[0], xla[0], truth[0])
+    for (path, g), gx, gt in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(xla[1]),
+                                 jax.tree.leaves(truth[1])):
+        assert_within_2x(jax.tree_util.keystr(path), g, gx, gt)

@@ -13,6 +13,11 @@ from flax import nnx
 from flax_models.plain.layers import LayerNorm
 
 F32 = jnp.float32
+
+
+def _ct(dtype):
+    """The math dtype for ``dtype``: float32, or float64 for float64 (a test's truth)."""
+    return jnp.promote_types(dtype, F32)
 _GATED = {"swiglu": jax.nn.silu, "geglu": lambda v: jax.nn.gelu(v, approximate=False),
           "geglu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
@@ -33,9 +38,9 @@ class RMSNorm(nnx.Module):
         dtype = self.dtype or jnp.promote_types(x.dtype, self.scale.dtype)
         x = x.astype(dtype)
         if residual is not None:
-            x = (x.astype(F32) + residual.astype(F32)).astype(dtype)
-        xf = x.astype(F32)
-        w = self.scale[...].astype(dtype).astype(F32)
+            x = (x.astype(_ct(dtype)) + residual.astype(_ct(dtype))).astype(dtype)
+        xf = x.astype(_ct(dtype))
+        w = self.scale[...].astype(dtype).astype(_ct(dtype))
         w = w + 1.0 if self.unit_offset else w
         y = (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.epsilon) * w).astype(dtype)
         return y if residual is None else (y, x)
@@ -64,9 +69,9 @@ def rotary_frequencies(rotary_dim, theta, scaling):
 def apply_rotary(x, positions, inv_freq, interleaved):
     """x (batch, seq, heads, head_dim) rotated at positions (batch, seq); float32 math."""
     half = inv_freq.shape[0]
-    ang = positions.astype(F32)[..., None] * inv_freq
+    ang = positions.astype(_ct(x.dtype))[..., None] * inv_freq
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    xf = x[..., :2 * half].astype(F32)
+    xf = x[..., :2 * half].astype(_ct(x.dtype))
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :half], xf[..., half:])
     o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     rot = jnp.stack([o1, o2], -1).reshape(xf.shape) if interleaved else jnp.concatenate([o1, o2], -1)
@@ -116,7 +121,7 @@ class DecoderLayer(nnx.Module):
         if (not det) and self.attn_dropout > 0:
             groups = self.num_heads // self.num_kv_heads
             k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-            s = jnp.einsum("btnh,bsnh->bnts", q, k).astype(F32) / math.sqrt(self.head_dim)
+            s = jnp.einsum("btnh,bsnh->bnts", q, k).astype(_ct(q.dtype)) / math.sqrt(self.head_dim)
             if mask is not None:
                 s = jnp.where(mask, s, -1e30)
             if causal:
@@ -156,7 +161,7 @@ class DecoderLayer(nnx.Module):
         a = self.hidden_drop(self.out(ctx), deterministic=det)
         h, x = self.mlp_norm(a, residual=x) if self.norm == "rms" else self._ln_residual(a, x)
         gate, up = jnp.split(self.gate_up(h), 2, axis=-1)
-        y = (_GATED[self.activation](gate.astype(F32)) * up.astype(F32)).astype(up.dtype)
+        y = (_GATED[self.activation](gate.astype(_ct(up.dtype))) * up.astype(_ct(up.dtype))).astype(up.dtype)
         y = self.down(self.act_drop(y, deterministic=det))
         return x.astype(y.dtype) + self.hidden_drop(y, deterministic=det)
 
