@@ -1,6 +1,7 @@
 """jax_ls2.parallel.initialize_distributed: the settings it reads, and two real processes
 on localhost (CPU devices, gloo collectives) computing a jitted sum and a tensor-parallel
-MLP's loss and gradients over one mesh spanning both."""
+MLP's loss and gradients over one mesh spanning both, and running the training command
+(data parallelism with ZeRO-1) with the losses of one process."""
 import os
 import socket
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from jax_ls2 import parallel
@@ -159,3 +161,76 @@ def test_two_processes_compute_over_one_mesh():
     assert all(f"MLP {i} matches" in out for i, (_, out, _) in enumerate(outs))
     for got, want in results.values():
         assert got == pytest.approx(want, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- the training command
+# 3 steps of GPT tiny with dropout on: two processes of 2 CPU devices each (mesh data=4,
+# ZeRO-1 over it, a checkpoint at step 2) against one device in this process.
+TRAIN_ARGS = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3",
+              "--dropout", "0.1", "--eval-every", "0", "--log-every", "1", "--quiet"]
+
+
+def _launch(argv_of, devices_each: int = 2, timeout: int = 240) -> list:
+    """Runs ``argv_of(i)`` (a command line) as processes 0 and 1 of one jax.distributed
+    job on localhost; returns their (returncode, stdout, stderr)."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in _ALL_VARS}
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu",
+                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen(argv_of(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def two_process_training(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_process_training")
+    ckpt = root / "ckpt"
+    outs = _launch(lambda i: [sys.executable, "-m", "flax_models.train", *TRAIN_ARGS, "--mesh", "data=4", "--zero1",
+                              "--metrics", str(root / f"metrics{i}.jsonl"), "--ckpt-dir", str(ckpt),
+                              "--save-every", "2"])
+    for rc, _, err in outs:
+        assert rc == 0, err[-3000:]
+    from flax_models import metrics
+    losses = [[r["loss"] for r in metrics.read(str(root / f"metrics{i}.jsonl")) if r["kind"] == "step"]
+              for i in range(2)]
+    return losses, [out for _, out, _ in outs], str(ckpt)
+
+
+@pytest.mark.slow
+def test_two_processes_train_with_the_losses_of_one(two_process_training):
+    from flax_models import train
+    losses, outs, _ = two_process_training
+    for out in outs:
+        assert "mesh data=4 (4 devices, 2 processes)" in out and "state split over data=4 (ZeRO-1)" in out
+    one = train.main(TRAIN_ARGS)["losses"]
+    assert len(one) == 3
+    for got in losses:
+        # the batch split over 4 devices of 2 processes: the same masks, sums in another order
+        np.testing.assert_allclose(got, one, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_processes_resumes_in_one(two_process_training):
+    """The step-2 checkpoint written shard by shard by both processes restores (its
+    checksum verified) onto a one-process mesh of the same shape, and step 3 from it
+    gives the two-process step-3 loss."""
+    from flax_models import train
+    losses, _, ckpt = two_process_training
+    args = train.parse_args(TRAIN_ARGS + ["--mesh", "data=4", "--zero1", "--ckpt-dir", ckpt, "--resume"])
+    cfg, batch, seq = train.config_from(args)
+    mesh = parallel.make_mesh("data=4", devices=jax.devices()[:4])
+    resumed = train.train(args, cfg, batch, seq, impl="ls2", mesh=mesh)
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 1
+    np.testing.assert_allclose(resumed["losses"], losses[0][2:], rtol=1e-6)
