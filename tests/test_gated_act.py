@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jax_ls2 import _random
 from jax_ls2.ops import gated_act_dropout
@@ -28,10 +29,8 @@ def plain_gated(x, act, keep=None, rate=0.0, compute=jnp.float32):
 
 
 def mask(key, shape, rate):
-    """Keep flags of the (rows..., ffn) outputs: each numbered by its gate's flat index in
-    the (rows..., 2 ffn) input."""
-    wide = shape[:-1] + (2 * shape[-1],)
-    return _random.keep_mask(_random.seed_words(key), wide, _random.dropout_threshold(rate))[..., :shape[-1]]
+    """Keep flags of the (rows..., ffn) output: each element numbered by its flat index."""
+    return _random.keep_mask(_random.seed_words(key), shape, _random.dropout_threshold(rate))
 
 
 def inputs(shape, dtype=jnp.float32, seed=0):
@@ -104,19 +103,34 @@ def test_transformations():
     close(*jax.jit(lambda x: (jax.grad(scan_loss)(x), jax.grad(unrolled)(x)))(x), 1e-4)
 
 
-def test_row_sharded_jit_draws_the_unsharded_mask_without_all_gather():
+@pytest.mark.parametrize("spec", [("data",), (None, "data")], ids=["rows", "sequence"])
+def test_sharded_jit_draws_the_unsharded_mask_without_all_gather(spec):
     mesh = mesh8()
-    x, dy = inputs((16, 3, 40), seed=3)
+    x, dy = inputs((16, 8, 40), seed=3)
     f = jax.jit(lambda x, dy: jax.value_and_grad(
         lambda x: jnp.sum(gated_act_dropout(x, activation="geglu_tanh", rate=RATE, key=KEY) * dy))(x))
-    xs, dys = shard(x, mesh, "data"), shard(dy, mesh, "data")
+    xs, dys = shard(x, mesh, *spec), shard(dy, mesh, *spec)
     val, grad = f(xs, dys)
     pv, pg = jax.jit(lambda x, dy: jax.value_and_grad(
         lambda x: jnp.sum(plain_gated(x, "geglu_tanh", mask(KEY, dy.shape, RATE), RATE) * dy))(x))(x, dy)
     close(val, pv, 1e-5)
     close(grad, pg, 1e-5)
-    assert grad.sharding.spec[0] == "data"
+    assert tuple(grad.sharding.spec)[:len(spec)] == spec
     assert "all-gather" not in compiled_text(f, xs, dys)
+
+
+def test_shard_map_with_shard_spec_draws_the_unsharded_mask():
+    mesh = mesh8()
+    x, dy = inputs((16, 24), seed=5)
+    one = lambda x: gated_act_dropout(x, rate=RATE, key=KEY, shard_spec=P("data"))
+    sm = jax.jit(jax.shard_map(lambda x, dy: (one(x), jax.vjp(one, x)[1](dy)[0]), mesh=mesh,
+                               in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
+    whole = lambda x: gated_act_dropout(x, rate=RATE, key=KEY)
+    want = jax.jit(lambda x, dy: (whole(x), jax.vjp(whole, x)[1](dy)[0]))(x, dy)
+    for a, b in zip(sm(x, dy), want):
+        close(a, b, 0)
+    with pytest.raises(ValueError, match=r"gated_act_dropout: x's last axis \(\[gate \| up\]\) cannot be split"):
+        gated_act_dropout(x, rate=RATE, key=KEY, shard_spec=P(None, "data"))
 
 
 def test_bad_inputs():

@@ -4,10 +4,10 @@
 // bytes when ffn and the pointers allow) of column chunk blockIdx.x; the ty row lanes
 // and the grid stride over rows. Each element is read once and written once.
 //
-// Dropout: output (row, c) is element g = seed[2] + row * 2 ffn + c (uint32, wrapping)
-// of the counter-based generator (kernels/common.cuh, jax_ls2/_random.py), the flat index
-// of its gate in x, so a shard of rows needs only its element offset; threshold == 0
-// selects a variant that neither hashes nor scales. The backward regenerates the mask.
+// Dropout: output (row, c) has the global number g = MaskRowStart(row) + c (64-bit; the
+// output's flat row-major index in the whole array, kernels/common.cuh,
+// jax_ls2/_random.py); threshold == 0 selects a variant that neither hashes nor scales.
+// The backward regenerates the mask.
 #include <algorithm>
 #include <type_traits>
 
@@ -46,8 +46,11 @@ __global__ void __launch_bounds__(kThreads) GatedActKernel(GatedActArgs a) {
   const int64_t F = a.ffn;
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c >= F) return;
-  DropoutSeed s{0u, 0u, 0u};
-  if constexpr (DROP) s = DropoutSeed{a.seed[0], a.seed[1], a.seed[2]};
+  WideSeed s{0u, 0u, 0u};
+  if constexpr (DROP) s = LoadWideSeed(a.seed);
+  // Every row's first number has the parity of the base when the row map's strides are
+  // even, and c is even with packs of an even size: then each pair takes one hash.
+  const bool pairs = VEC % 2 == 0 && a.numbering.even && (s.base & 1u) == 0;
   const int64_t step = (int64_t)gridDim.y * blockDim.y;
   for (int64_t row = (int64_t)blockIdx.y * blockDim.y + threadIdx.y; row < a.rows; row += step) {
     const T* gate = static_cast<const T*>(a.x) + row * 2 * F + c;
@@ -56,7 +59,14 @@ __global__ void __launch_bounds__(kThreads) GatedActKernel(GatedActArgs a) {
     LoadFloats<T, VEC>(gate + F, u);
     if constexpr (BWD) LoadFloats<T, VEC>(static_cast<const T*>(a.dy) + row * F + c, d);
     bool keep[VEC];
-    if constexpr (DROP) KeepVec<VEC>(s.offset + (uint32_t)(row * 2 * F + c), s, a.threshold, keep);
+    if constexpr (DROP) {
+      const uint64_t g0 = MaskRowStart(a.numbering, s.base, row) + (uint64_t)c;
+      if (pairs) {
+        KeepWide<VEC, true>(g0, s, a.threshold, keep);
+      } else {
+        KeepWide<VEC, false>(g0, s, a.threshold, keep);
+      }
+    }
     float o1[VEC], o2[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {

@@ -3,12 +3,14 @@
 
 ``y = dropout(act(gate) * up)`` with ``gate = x[..., :ffn]``, ``up = x[..., ffn:]``.
 Dropout masks come from the counter-based generator of :mod:`jax_ls2._random` (bit for
-bit the same in CUDA and in the reference), as for the other dropout ops: output element
-``(row, j)`` is numbered by the flat index of its gate element in ``x``,
-``g = row * 2 ffn + j`` (plus the seed's offset word), and kept iff its 16-bit draw is
-``>= round(rate * 65536)``; kept elements are scaled by ``keep_scale(rate)``. Numbering by
-``x``'s layout makes a row-sharded ``x`` draw, shard by shard, the mask of the whole. The
-backward regenerates the mask from the seed; nothing per element is stored.
+bit the same in CUDA and in the reference), numbered as every dropout mask is: an output
+element by its global coordinates, ``g`` = its flat row-major index in the whole
+``(..., ffn)`` output (64-bit, see `jax_ls2._random.keep_mask_at`), kept iff its 16-bit
+draw is ``>= round(rate * 65536)``; kept elements are scaled by ``keep_scale(rate)``. A
+shard knows its place in the whole array, so under ``jit`` any leading dim of ``x`` may be
+sharded (the last, ``[gate | up]``, stays whole) and draws the unsharded mask; inside
+``shard_map`` pass ``shard_spec``. The backward regenerates the mask from the seed; nothing
+per element is stored.
 
 Under ``vmap`` with dropout active, every example draws the mask it would draw on its
 own, as with ``jax.random``.
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2 import _random
-from jax_ls2._dispatch import ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -50,9 +52,17 @@ def _act_and_grad(v, activation):
     return half * v * (one + t), half * (one + t) + half * v * dt
 
 
-def _keep(seed, rows_shape, ffn, threshold):
-    """Keep flags of the outputs (rows..., ffn): numbered by their gate's index in x."""
-    return _random.keep_mask(seed, rows_shape + (2 * ffn,), threshold)[..., :ffn]
+def _out_shape(x):
+    return x.shape[:-1] + (x.shape[-1] // 2,)
+
+
+def _drop(v, seed, offsets, threshold, scale, strides):
+    """float32 ``v`` (the box at ``offsets`` of the output numbered by ``strides``) with
+    its mask applied; threshold 0 returns ``v`` untouched."""
+    if threshold == 0:
+        return v
+    keep = _random.keep_mask_at(seed, offsets, v.shape, strides, threshold)
+    return jnp.where(keep, v * np.float32(scale), np.float32(0))
 
 
 def _split(x):
@@ -60,34 +70,31 @@ def _split(x):
     return x[..., :f].astype(F32), x[..., f:].astype(F32)
 
 
-def _fwd_ref(x, seed, *, activation, threshold, scale):
+def _fwd_ref(x, seed, offsets, *, activation, threshold, scale, strides):
     gate, up = _split(x)
     a, _ = _act_and_grad(gate, activation)
-    y = a * up
-    if threshold:
-        y = jnp.where(_keep(seed, x.shape[:-1], gate.shape[-1], threshold), y * np.float32(scale), np.float32(0))
-    return (y.astype(x.dtype),)
+    return (_drop(a * up, seed, offsets, threshold, scale, strides).astype(x.dtype),)
 
 
-def _bwd_ref(x, dy, seed, *, activation, threshold, scale):
+def _bwd_ref(x, dy, seed, offsets, *, activation, threshold, scale, strides):
     gate, up = _split(x)
     a, da = _act_and_grad(gate, activation)
-    g = dy.astype(F32)
-    if threshold:
-        g = jnp.where(_keep(seed, x.shape[:-1], gate.shape[-1], threshold), g * np.float32(scale), np.float32(0))
+    g = _drop(dy.astype(F32), seed, offsets, threshold, scale, strides)
     return (jnp.concatenate([g * up * da, g * a], axis=-1).astype(x.dtype),)
 
 
 # ---------------------------------------------------------------- CUDA calls
-def _attrs(*arrays, activation, threshold, scale):
-    return dict(activation=np.int32(_ACT_CODE[activation]), threshold=np.int32(threshold), scale=np.float32(scale))
+def _attrs(x, *arrays, activation, threshold, scale, strides):
+    # x is the first operand of both kernels; the mask numbers the output's rows.
+    return dict(activation=np.int32(_ACT_CODE[activation]), threshold=np.int32(threshold), scale=np.float32(scale),
+                **_random.kernel_row_attrs(_out_shape(x), threshold, strides))
 
 
-def _fwd_types(x, seed, **static):
-    return (result_type(x, x.shape[:-1] + (x.shape[-1] // 2,)),)
+def _fwd_types(x, *arrays, **static):
+    return (result_type(x, _out_shape(x)),)
 
 
-def _bwd_types(x, dy, seed, **static):
+def _bwd_types(x, *arrays, **static):
     return (result_type(x),)
 
 
@@ -95,36 +102,45 @@ def _dropping(static) -> bool:
     return static["threshold"] != 0
 
 
-_R1, _S = Role(ROWS, 1), Role(SEED)
-# x is the first operand of both, so a shard's seed offset counts x's elements (the
-# numbering of the module docstring). With dropout active, vmap runs the examples one by
-# one so each draws its own mask.
-_FWD = FusedKernel("jax_ls2_gated_act_dropout_fwd", _fwd_ref, operands=(_R1, _S), results=(_R1,),
-                   result_types=_fwd_types, attrs=_attrs, vmap_method="broadcast_all", per_example=_dropping)
-_BWD = FusedKernel("jax_ls2_gated_act_dropout_bwd", _bwd_ref, operands=(_R1, _R1, _S), results=(_R1,),
-                   result_types=_bwd_types, attrs=_attrs, vmap_method="broadcast_all", per_example=_dropping)
+_R1, _S, _O = Role(ROWS, 1), Role(SEED), Role(OFFSETS)
+# x is the first operand of both, so the partitioner's offsets are those of its leading
+# dims (the output's too; the last dim is never split). The seed and offsets reach the
+# kernels as one uint32[4] (k0, k1, 64-bit base). With dropout active, vmap runs the
+# examples one by one so each draws its own mask.
+_KERNEL_OPTIONS = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, per_example=_dropping)
+_FWD = FusedKernel("jax_ls2_gated_act_dropout_fwd", _fwd_ref, operands=(_R1, _S, _O), results=(_R1,),
+                   result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
+_BWD = FusedKernel("jax_ls2_gated_act_dropout_bwd", _bwd_ref, operands=(_R1, _R1, _S, _O), results=(_R1,),
+                   result_types=_bwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
 
 
 # ---------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _gated(x, seed, activation, threshold, scale):
-    return _FWD(x, seed, activation=activation, threshold=threshold, scale=scale)[0]
+# ``num`` = (activation, threshold, scale, strides), static.
+def _static(num):
+    activation, threshold, scale, strides = num
+    return dict(activation=activation, threshold=threshold, scale=scale, strides=strides)
 
 
-def _gated_fwd(x, seed, activation, threshold, scale):
-    return _FWD(x, seed, activation=activation, threshold=threshold, scale=scale)[0], (x, seed)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gated(x, seed, offsets, num):
+    return _FWD(x, seed, offsets, **_static(num))[0]
 
 
-def _gated_bwd(activation, threshold, scale, res, dy):
-    x, seed = res
-    return _BWD(x, dy, seed, activation=activation, threshold=threshold, scale=scale)[0], None
+def _gated_fwd(x, seed, offsets, num):
+    return _FWD(x, seed, offsets, **_static(num))[0], (x, seed, offsets)
+
+
+def _gated_bwd(num, res, dy):
+    x, seed, offsets = res
+    return _BWD(x, dy, seed, offsets, **_static(num))[0], None, None
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
-def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=None, deterministic: bool = False):
+def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=None, deterministic: bool = False,
+                      shard_spec=None):
     """``dropout(act(gate) * up)`` of a gated MLP, ``[gate | up] = x``.
 
     Args:
@@ -135,11 +151,15 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
       rate: static Python float in [0, 1), quantised to 1/65536.
       key: a JAX PRNG key (required when ``rate > 0`` and not ``deterministic``).
       deterministic: no dropout.
+      shard_spec: inside ``shard_map`` only: how ``x`` is split over the manual mesh
+        axes, its ``in_specs`` entry (per dim None, an axis name or a tuple of names; the
+        last dim whole), so this device draws its block of the whole output's mask.
+        Default: ``x`` is the whole array. Under plain ``jit`` leave it out.
 
     Returns:
       ``(..., ffn)`` in ``x.dtype``; float32 math in registers, rounded once. The
-      backward keeps ``x`` and the seed: ``dgate = mask * scale * dy * up * act'(gate)``,
-      ``dup = mask * scale * dy * act(gate)``, returned concatenated as ``dx``.
+      backward keeps ``x``, the seed and the offsets: ``dgate = mask * scale * dy * up *
+      act'(gate)``, ``dup = mask * scale * dy * act(gate)``, returned concatenated as ``dx``.
     """
     op = "gated_act_dropout"
     _checks.check_array(op, "x", x, min_ndim=1)
@@ -150,10 +170,13 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     deterministic = _checks.check_deterministic(op, deterministic)
     rate = _checks.check_rate(op, rate, key, deterministic)
+    if shard_spec is not None and len(tuple(shard_spec)) == x.ndim and tuple(shard_spec)[-1] is not None:
+        raise ValueError(f"{op}: x's last axis ([gate | up]) cannot be split, got shard_spec {shard_spec!r}")
     threshold = 0 if deterministic else _random.dropout_threshold(rate)
     if threshold == 0:
         seed, scale = jnp.zeros((3,), jnp.uint32), 1.0
     else:
         seed, scale = _random.seed_words(key), _random.keep_scale(rate)
+    offsets, strides = _random.numbering(op, _out_shape(x), shard_spec, threshold)
     (x,) = match_varying(x)
-    return _gated(x, seed, activation, threshold, scale)
+    return _gated(x, seed, offsets, (activation, threshold, scale, strides))
