@@ -265,8 +265,13 @@ def numbering(op: str, local_shape, shard_spec, threshold: int, order=None):
 
 def kernel_row_attrs(local_shape, threshold: int, strides) -> dict:
     """The FFI attributes ``row_extents``, ``row_strides`` (int64 arrays) of a kernel's
-    row map (`row_map`); a single row dim when nothing is dropped."""
-    extents, row_strides = row_map(local_shape, strides) if threshold else ((1,), (0,))
+    row map (`row_map`), whose extents multiply to the rows (the leading dims' product)
+    the kernel sees; a single row dim when nothing is dropped or there are no rows."""
+    rows = int(np.prod(local_shape[:-1], dtype=np.int64))
+    if threshold and rows:
+        extents, row_strides = row_map(local_shape, strides)
+    else:
+        extents, row_strides = (rows,), (0,)
     return dict(row_extents=np.asarray(extents, np.int64), row_strides=np.asarray(row_strides, np.int64))
 
 

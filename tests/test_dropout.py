@@ -251,15 +251,16 @@ def test_sharded_jit_equals_unsharded_no_allgather():
 @pytest.mark.parametrize("spec", [P(None, "data"), P("data", None)])
 def test_sequence_sharded_jit_gives_the_unsharded_mask(spec):
     """Masks are a function of the global element index: sharding a leading dim other than
-    the first (sequence parallelism) must not change them."""
+    the first (sequence parallelism) must not change them, and nothing is gathered."""
     mesh = _mesh()
     x, b, r, _ = _inputs((2, 16, 40)) if spec == P(None, "data") else _inputs((16, 3, 40))
     key = jax.random.key(11)
     fwd = jax.jit(lambda x, b, r: bias_dropout_residual(bias_act_dropout(x, b, activation="gelu", rate=0.5, key=key),
                                                         b, r, rate=0.5, key=key))
     shard = NamedSharding(mesh, spec)
-    got = fwd(jax.device_put(x, shard), jax.device_put(b, NamedSharding(mesh, P())), jax.device_put(r, shard))
-    np.testing.assert_array_equal(got, fwd(x, b, r))
+    args = (jax.device_put(x, shard), jax.device_put(b, NamedSharding(mesh, P())), jax.device_put(r, shard))
+    np.testing.assert_array_equal(fwd(*args), fwd(x, b, r))
+    assert "all-gather" not in fwd.lower(*args).compile().as_text()
 
 
 def _seq_first_pair(act, rate, key):
@@ -293,14 +294,16 @@ def test_seq_first_draws_the_batch_first_mask(act):
         x, b, r, rate=0.3, key=jax.random.key(21), seq_first=True)))
 
 
-def test_seq_first_batch_sharded_keeps_its_shards():
-    """A sequence-first activation sharded along batch (dim 1) is not gathered, and
-    gives the unsharded result bit for bit (forward) and to rounding (gradients)."""
+@pytest.mark.parametrize("spec", [P(None, "data"), P("data")])
+def test_seq_first_sharded_keeps_its_shards(spec):
+    """A sequence-first activation sharded along batch (dim 1) or length (dim 0) is not
+    gathered, and gives the unsharded result bit for bit (forward) and to rounding
+    (gradients)."""
     mesh = _mesh()
-    x, b, r, dy = _inputs((5, 16, 40))
+    x, b, r, dy = _inputs((5, 16, 40) if spec == P(None, "data") else (16, 5, 40))
     f, _ = _seq_first_pair("gelu", RATE, jax.random.key(22))
     fn = jax.jit(jax.value_and_grad(lambda x, b, r: jnp.sum(f(x, b, r) * dy), (0, 1, 2)))
-    shard = NamedSharding(mesh, P(None, "data"))
+    shard = NamedSharding(mesh, spec)
     xs, rs = jax.device_put(x, shard), jax.device_put(r, shard)
     bs = jax.device_put(b, NamedSharding(mesh, P()))
     assert "all-gather" not in fn.lower(xs, bs, rs).compile().as_text()
@@ -482,8 +485,8 @@ def test_gpu_masks_equal_reference(shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(128, 256, 768), (7, 5, 123), (33, 3, 64)])
 def test_gpu_seq_first_masks_equal_reference(dtype, shape):
-    """The kernels number sequence-first rows in batch-first order (the row counters
-    carried across a thread's strided rows): their masks, forward and backward, are the
+    """The kernels number sequence-first rows in batch-first order (a row map of two
+    dims, jax_ls2._random.row_map): their masks, forward and backward, are the
     reference's, which are the batch-first masks of the transpose."""
     x, b, r, dy = _inputs(shape, dtype)
     f, g = _seq_first_pair("relu", 0.3, jax.random.key(23))

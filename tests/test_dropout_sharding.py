@@ -105,6 +105,19 @@ def test_row_map_reproduces_the_numbering(global_shape, local_shape, offsets, or
     assert tuple(seed4[:2]) == tuple(np.asarray(SEED[:2]))
 
 
+@pytest.mark.parametrize("threshold", [0, THRESHOLD])
+@pytest.mark.parametrize("local_shape,global_shape", [((4, 8, 16), (4, 8, 16)), ((2, 3, 16), (4, 12, 16)),
+                                                      ((1, 1, 7), (1, 1, 7)), ((0, 5, 3), (0, 5, 3)),
+                                                      ((5,), (5,)), ((2, 1, 3, 4), (2, 4, 6, 4))])
+def test_kernel_row_attrs_describe_every_row(local_shape, global_shape, threshold):
+    """The row map the kernels get covers exactly the rows they see (the handlers refuse
+    anything else), with and without dropout, empty arrays included."""
+    attrs = _random.kernel_row_attrs(local_shape, threshold, _random.row_major_strides(global_shape))
+    ext, st = attrs["row_extents"], attrs["row_strides"]
+    assert ext.dtype == st.dtype == np.int64 and 1 <= ext.size == st.size <= _random.MAX_ROW_DIMS
+    assert int(np.prod(ext)) == int(np.prod(local_shape[:-1], dtype=np.int64))
+
+
 def test_attention_numbering_is_the_same_vocabulary():
     """flash attention's block numbering is keep_mask_at over (batch, heads, q_total, kv_total)."""
     b, lq, h, lk, q_total, kv_total, q_off, kv_off = 2, 5, 3, 7, 40, 33, 17, 9

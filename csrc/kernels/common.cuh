@@ -35,22 +35,23 @@ struct MaskRows {
   bool even = true;  // every stride even: each row starts at the base's parity
 };
 // The row map from the attribute arrays; false when it cannot describe `rows` rows (too
-// many dims, an extent of 0 or >= 2^32, negative strides, or extents whose product is
-// not `rows`).
+// many dims, negative strides, extents whose product is not `rows`, or, over several
+// dims, 2^32 rows or more: their digits are taken in 32 bits). Only the outermost
+// extent is never read by the kernels.
 inline bool MakeMaskRows(const int64_t* ext, const int64_t* stride, size_t nd, int64_t rows, MaskRows* out) {
   if (nd < 1 || nd > (size_t)kMaskMaxRowDims) return false;
+  if (nd > 1 && rows > (int64_t)UINT32_MAX) return false;
   MaskRows m;
   m.nd = (int)nd;
   int64_t count = 1;
   for (size_t k = 0; k < nd; ++k) {
-    if (ext[k] < 1 || ext[k] > (int64_t)UINT32_MAX || stride[k] < 0) return false;
+    if (ext[k] < 0 || stride[k] < 0 || (nd > 1 && ext[k] > (int64_t)UINT32_MAX)) return false;
     m.ext[k] = (uint32_t)ext[k];
     m.stride[k] = (uint64_t)stride[k];
     m.even = m.even && (stride[k] & 1) == 0;
     count *= ext[k];
   }
-  // Several dims: rows are split into digits in 32 bits.
-  if (count != rows || (nd > 1 && rows > (int64_t)UINT32_MAX)) return false;
+  if (count != rows) return false;
   *out = m;
   return true;
 }
