@@ -275,14 +275,15 @@ def restore_checkpoint(directory: str, template, step: int | None = None, optimi
         except Exception as e:  # noqa: BLE001 (any failure to read it is reported as such)
             raise CheckpointError(f"{where} has no readable metadata (not written by "
                                   f"flax_models.training, or corrupted): {e}") from e
-        why = _other_model(where, meta, _layout(template))
-        if why:
-            raise CheckpointError(why)
+        # the layout first: another split changes the flat buffers' padded lengths
         saved = meta.get("optimizer_layout", "")
         if saved != optimizer_layout:
             raise CheckpointError(f"{where} holds optimizer state split as {_layout_text(saved)}, this run's is "
                                   f"split as {_layout_text(optimizer_layout)}; resume with the mesh (and "
                                   "ZeRO-1 setting) it was saved with")
+        why = _other_model(where, meta, _layout(template))
+        if why:
+            raise CheckpointError(why)
         try:
             got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         except Exception as e:  # noqa: BLE001
