@@ -14,14 +14,15 @@ ffi::Error GatedAct(cudaStream_t stream, const char* op, const ffi::AnyBuffer& x
                     int32_t threshold, float scale, Int64s row_extents, Int64s row_strides) {
   const int64_t width = LastDim(x);
   if (width % 2 != 0) return ffi::Error::InvalidArgument(std::string(op) + ": x's last dim must be 2 * ffn");
-  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 4)
+  if (seed.element_type() != ffi::DataType::U32 || static_cast<int64_t>(seed.element_count()) != 4)
     return ffi::Error::InvalidArgument(std::string(op) + ": seed must be uint32[4]");
   if (activation < kGatedSwiglu || activation > kGatedGegluTanh)
     return ffi::Error::InvalidArgument(std::string(op) + ": unknown activation code " + std::to_string(activation));
   if (threshold < 0 || threshold > 65535)
     return ffi::Error::InvalidArgument(std::string(op) + ": threshold must be in [0, 65535]");
   const int64_t rows = LeadingCount(x), ffn = width / 2;
-  if (dy != nullptr && (dy->element_type() != x.element_type() || dy->element_count() != rows * ffn))
+  if (dy != nullptr &&
+      (dy->element_type() != x.element_type() || static_cast<int64_t>(dy->element_count()) != rows * ffn))
     return ffi::Error::InvalidArgument(std::string(op) + ": dy must be (rows, ffn) in x's dtype");
   MaskRows numbering;
   if (auto e = MaskRowsAttr(op, rows, row_extents, row_strides, &numbering); e.failure()) return e;

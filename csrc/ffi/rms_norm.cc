@@ -14,7 +14,7 @@ ffi::Error Fwd(cudaStream_t stream, const char* op, const ffi::AnyBuffer& x, con
   RmsNormFwdArgs a{x.untyped_data(), residual ? residual->untyped_data() : nullptr, gamma.untyped_data(),
                    y->untyped_data(), sum ? (*sum)->untyped_data() : nullptr,
                    static_cast<float*>(rstd->untyped_data()), LeadingCount(x), LastDim(x), eps, unit_offset};
-  if (gamma.element_count() != a.hidden || gamma.element_type() != x.element_type())
+  if (static_cast<int64_t>(gamma.element_count()) != a.hidden || gamma.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": gamma must be (hidden,) in x's dtype");
   if (residual != nullptr &&
       (residual->element_type() != x.element_type() || residual->element_count() != x.element_count()))
@@ -71,7 +71,7 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
       a.dsum = b->untyped_data();
     }
   }
-  if (gamma.element_count() != a.hidden || rstd.element_count() != a.rows)
+  if (static_cast<int64_t>(gamma.element_count()) != a.hidden || static_cast<int64_t>(rstd.element_count()) != a.rows)
     return ffi::Error::InvalidArgument(std::string(op) + ": gamma must be (hidden,) and rstd (rows,)");
   if (a.max_parts < 1) return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
   PoisonOutputs(stream, dx, dgamma);

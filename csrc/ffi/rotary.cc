@@ -15,14 +15,15 @@ ffi::Error Rotary(cudaStream_t stream, const char* op, const ffi::AnyBuffer& q, 
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 2 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument(std::string(op) + ": q and k must be (tokens..., heads, head_dim)");
-  const int64_t tokens = positions.element_count();
+  const int64_t tokens = static_cast<int64_t>(positions.element_count());
   const int64_t head_dim = qd[qd.size() - 1], heads = qd[qd.size() - 2], kv_heads = kd[kd.size() - 2];
-  if (kd[kd.size() - 1] != head_dim || q.element_count() != tokens * heads * head_dim ||
-      k.element_count() != tokens * kv_heads * head_dim || k.element_type() != q.element_type())
+  if (kd[kd.size() - 1] != head_dim || static_cast<int64_t>(q.element_count()) != tokens * heads * head_dim ||
+      static_cast<int64_t>(k.element_count()) != tokens * kv_heads * head_dim ||
+      k.element_type() != q.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": q, k and positions disagree on tokens, head_dim or dtype");
   if (positions.element_type() != ffi::DataType::S32 || inv_freq.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument(std::string(op) + ": positions must be int32 and inv_freq float32");
-  const int64_t rotary_dim = 2 * inv_freq.element_count();
+  const int64_t rotary_dim = 2 * static_cast<int64_t>(inv_freq.element_count());
   if (rotary_dim < 2 || rotary_dim > head_dim)
     return ffi::Error::InvalidArgument(std::string(op) + ": inv_freq must have 1 to head_dim / 2 entries");
   RotaryArgs a{q.untyped_data(), k.untyped_data(), static_cast<const int32_t*>(positions.untyped_data()),
