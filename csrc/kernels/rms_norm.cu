@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
 #pragma unroll
         for (int m = 0; m < NDY; ++m)
           next[1 + m][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dy[m]) + off + col);
-        if constexpr (RES) next[NARR - 1][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dsum) + off + col);
+        if constexpr (RES)
+          next[NARR - 1][i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.dsum) + off + col);
       }
     }
   };
