@@ -1,6 +1,7 @@
 """The fused optimizer on params sharded over 8 simulated CPU devices (`shard_optimizer`):
 the same steps as unsharded, nothing gathered to form its flat buffers (read from the
-compiled HLO), and with ZeRO-1 per-device state bytes falling as 1 / data."""
+compiled HLO), with ZeRO-1 per-device state bytes falling as 1 / data, and clipping,
+skipped steps and dynamic loss scaling decided on all shards together."""
 import math
 import re
 
@@ -158,8 +159,7 @@ def test_bf16_master_weights_with_zero_match_unsharded():
 
 @pytest.mark.parametrize("make, words", [
     (lambda m: optim.shard_optimizer(optax_adamw(), m), "tx must be a transformation made by jax_ls2.optim"),
-    (lambda m: optim.shard_optimizer(optim.adamw(1e-3, max_grad_norm=1.0), m), "with max_grad_norm"),
-    (lambda m: optim.shard_optimizer(optim.adamw(1e-3, loss_scale="dynamic"), m), "loss_scale='dynamic'"),
+    (lambda m: optim.shard_optimizer(optim.adamw(1e-3), "data"), "mesh must be a jax.sharding.Mesh"),
     (lambda m: optim.shard_optimizer(optim.adamw(1e-3), m, zero_axis="batch"), "zero_axis 'batch' is not"),
     (lambda m: optim.shard_optimizer(optim.adamw(1e-3), m, {"w1": P(), "b1": P(), "w2": P(), "ln": P("tensor")})
      .init(_tree(0)), "params leaf 1 (['ln']) has 13 elements along dim 0"),
@@ -173,6 +173,38 @@ def test_bad_input(make, words):
     with pytest.raises((TypeError, ValueError), match="shard_optimizer") as info:
         make(mesh)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["data2-tensor4", "data2-tensor4-zero"])
+def test_clipping_and_dynamic_loss_scale_use_all_shards(case):
+    """The global norm counts each replicated shard once (a norm of the local shards, or
+    of every device's, would clip otherwise); a non-finite gradient on one device skips
+    the step on all of them and halves the loss scale."""
+    spec, param_specs, zero = CASES[case]
+    mesh = parallel.make_mesh(spec)
+    # unit-scale gradients of ~4200 elements: norm ~65, so max_grad_norm=1 clips
+    tx = optim.adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0, loss_scale="dynamic", initial_loss_scale=4.0)
+    stx = optim.shard_optimizer(tx, mesh, param_specs, zero_axis=zero)
+    bad = _tree(11)
+    bad["w1"][3, 50] = np.inf  # on one tensor shard only
+    grads = [_tree(10), bad, _tree(12)]
+    want_step = jax.jit(lambda g, s, p: optim.apply_updates(tx, g, s, p))
+    got_step = jax.jit(lambda g, s, p: optim.apply_updates(stx, g, s, p))
+    want_p, got_p = _tree(0), _placed(_tree(0), mesh, param_specs)
+    want_s, got_s = tx.init(want_p), stx.init(got_p)
+    for i, g in enumerate(grads):
+        before = jax.tree.map(np.asarray, got_p)
+        want_p, want_s = want_step(g, want_s, want_p)
+        got_p, got_s = got_step(_placed(g, mesh, param_specs), got_s, got_p)
+        np.testing.assert_allclose(float(got_s.grad_norm), float(want_s.grad_norm), rtol=1e-6)
+        assert float(got_s.loss_scale) == float(want_s.loss_scale)
+        assert bool(got_s.finite) == bool(want_s.finite) == (i != 1)
+        assert int(got_s.count) == int(want_s.count)
+        for k in SHAPES:
+            np.testing.assert_allclose(np.asarray(got_p[k]), np.asarray(want_p[k]), rtol=1e-6, atol=1e-7)
+            if i == 1:  # skipped: untouched
+                np.testing.assert_array_equal(np.asarray(got_p[k]), before[k])
+    assert float(got_s.loss_scale) == 2.0 and float(want_s.grad_norm) > 10
 
 
 def optax_adamw():

@@ -20,13 +20,19 @@ restores onto the same mesh shape; `gather_state` turns it into the standard lay
 ``tx.init(params)`` (mesh-independent) and `scatter_state` back, for moving it to
 another mesh.
 
-Limits: float32, float16 and bfloat16 params (the fused kernel's path), grads as trees
-(no ``FlatGrads``), and no option that needs the global gradient norm or a decision on
-all gradients (``max_grad_norm``, ``skip_nonfinite``, ``loss_scale="dynamic"``): these
-raise at construction. The state's ``finite`` flag is combined over all devices.
+Options that need all gradients (``max_grad_norm``, ``skip_nonfinite``,
+``loss_scale="dynamic"``) take the global norm and finiteness from every device's
+shards, each replicated shard counted once; clipping then scales the gradients by
+``max_norm / norm`` before the fused pass (the unsharded kernel divides by the norm and
+multiplies by max_norm, the same to fp32 rounding), and a skipped step keeps params and
+state by a select. The state's ``finite`` flag is combined over all devices.
+
+Limits: float32, float16 and bfloat16 params (the fused kernel's path) and grads as
+trees (no ``FlatGrads``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -37,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_ls2.optim import _per_leaf
 from jax_ls2.optim._layout import flatten, layout_of, unflatten
 from jax_ls2.optim._transformation import (Config, FlatGrads, FusedGradientTransformation, FusedState,
-                                           FusedUpdate, _decay_mask, init_state, step)
+                                           FusedUpdate, _decay_mask, _next_scale, init_state, step)
 
 _OP = "shard_optimizer"
 
@@ -158,6 +164,27 @@ def _all_true(flag, mesh: Mesh):
     return jax.lax.pmin(flag.astype(jnp.int32), axes) > 0 if axes else flag
 
 
+def _global_stats(plan: Plan, zero_axis, mesh: Mesh, grads: list, inv_scale):
+    """(norm, finite) of the unscaled gradients over every device's shards (or ZeRO
+    pieces): each device sums the squares of its shards, a shard replicated over an
+    axis is counted only at index 0 of that axis, and the sums are added over the mesh."""
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a, n in sizes.items() if n > 1)
+    total, finite = jnp.float32(0), jnp.bool_(True)
+    for g, spec in zip(grads, plan.specs):
+        split = set(_spec_axes(spec)) | ({zero_axis} if plan.zero > 1 else set())
+        s = g.astype(jnp.float32) * inv_scale
+        part = jnp.sum(s * s)
+        for a in axes:
+            if a not in split:
+                part = jnp.where(jax.lax.axis_index(a) == 0, part, 0)
+        total = total + part
+        finite = finite & jnp.all(jnp.isfinite(g))
+    if axes:
+        total = jax.lax.psum(total, axes)
+    return jnp.sqrt(total), _all_true(finite, mesh)
+
+
 class ShardedUpdate(FusedUpdate):
     """`FusedUpdate` whose step runs inside ``shard_map`` over the mesh (see the module)."""
 
@@ -219,17 +246,39 @@ class ShardedUpdate(FusedUpdate):
         zero_axis, mesh = self.zero_axis, self.mesh
         state_specs = self.state_specs(plan, state)
 
+        o = cfg.options
+        global_stats = o.max_grad_norm is not None or o.checks_finite
+        # the per-device step runs without the options that need all gradients; they
+        # act here on the global norm and finiteness
+        local_opts = dataclasses.replace(o, max_grad_norm=None, skip_nonfinite=False, loss_scale=None)
+
         def body(local_g, local_p, st):
             # the decay mask is read from the params as the caller shaped them, then
             # given to the step as an explicit per-piece tree
             decay = _decay_mask(cfg, jax.tree.unflatten(treedef, local_p), n)
-            local_cfg = cfg if cfg.weight_decay is None else cfg._replace(
-                mask=jax.tree.unflatten(treedef, [bool(d) for d in decay]))
-            g = jax.tree.unflatten(treedef, _pieces(plan, zero_axis, local_g))
-            p = jax.tree.unflatten(treedef, _pieces(plan, zero_axis, local_p))
-            outs, new = step(local_cfg, g, st, p, apply=apply)
-            outs = _whole(plan, zero_axis, jax.tree.leaves(outs))
-            return outs, new._replace(finite=_all_true(new.finite, mesh))
+            local_cfg = cfg._replace(options=local_opts)
+            if cfg.weight_decay is not None:
+                local_cfg = local_cfg._replace(mask=jax.tree.unflatten(treedef, [bool(d) for d in decay]))
+            g = _pieces(plan, zero_axis, local_g)
+            p = _pieces(plan, zero_axis, local_p)
+            if global_stats:
+                norm, finite = _global_stats(plan, zero_axis, mesh, g, 1 / st.loss_scale)
+                if o.max_grad_norm is not None:
+                    factor = jnp.where(norm < o.max_grad_norm, jnp.float32(1), o.max_grad_norm / norm)
+                    g = [x.astype(jnp.float32) * factor for x in g]
+            outs, new = step(local_cfg, jax.tree.unflatten(treedef, g), st, jax.tree.unflatten(treedef, p),
+                             apply=apply)
+            outs = jax.tree.leaves(outs)
+            if not global_stats:
+                return _whole(plan, zero_axis, outs), new._replace(finite=_all_true(new.finite, mesh))
+            if o.checks_finite:
+                outs = [jnp.where(finite, x, old if apply else jnp.zeros((), x.dtype)) for x, old in zip(outs, p)]
+                keep = lambda old, x: None if x is None else jnp.where(finite, x, old)
+                new = new._replace(mu=keep(st.mu, new.mu), nu=keep(st.nu, new.nu), master=keep(st.master, new.master),
+                                   count=jnp.where(finite, new.count, st.count))
+            scale, good = _next_scale(o, st, finite)
+            new = new._replace(grad_norm=norm, finite=finite, loss_scale=scale, good_steps=good)
+            return _whole(plan, zero_axis, outs), new
 
         # One pass over all of a device's leaves makes every output vary as its most
         # split input does; a replicated leaf's new value is still the same on every
@@ -269,9 +318,9 @@ def shard_optimizer(tx: FusedGradientTransformation, mesh: Mesh, param_specs: An
       ``update``/``apply`` take grads and params (required) sharded as `param_specs` say.
 
     Raises:
-      TypeError: `tx` not from ``jax_ls2.optim`` or already sharded; ValueError: an option
-      the sharded step cannot honour (``max_grad_norm``, ``skip_nonfinite``, dynamic loss
-      scaling); the specs are checked against params at ``init``.
+      TypeError: `tx` not from ``jax_ls2.optim`` or already sharded, or `mesh` not a Mesh;
+      ValueError: a `zero_axis` not in the mesh. The specs are checked against params at
+      ``init`` and at each step.
     """
     update = getattr(tx, "update", None)
     if not isinstance(tx, FusedGradientTransformation) or type(update) is not FusedUpdate:
@@ -280,12 +329,6 @@ def shard_optimizer(tx: FusedGradientTransformation, mesh: Mesh, param_specs: An
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{_OP}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     cfg = update.config
-    o = cfg.options
-    for flag, on in (("max_grad_norm", o.max_grad_norm is not None), ("skip_nonfinite", bool(o.skip_nonfinite)),
-                     ("loss_scale='dynamic'", o.dynamic)):
-        if on:
-            raise ValueError(f"{_OP}: {cfg.name} with {flag} needs the gradients' global norm or finiteness "
-                             "across shards, which the sharded step does not compute yet; drop the option")
     if zero_axis is not None and zero_axis not in mesh.axis_names:
         raise ValueError(f"{_OP}: zero_axis {zero_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     sharded = ShardedUpdate(cfg, mesh, param_specs, zero_axis)
