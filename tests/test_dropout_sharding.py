@@ -5,6 +5,7 @@ mask with nothing gathered; on a GPU, the kernels' masks at large global offsets
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ls2 import _random
 from jax_ls2.ops import bias_act_dropout, bias_dropout_residual, dropout, embedding, softmax_dropout
-from jax_ls2.ops import dropout as dropout_ops, embedding as embedding_ops, softmax as softmax_ops
+
+# The modules (jax_ls2.ops re-exports functions of the same names).
+dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
+embedding_ops = importlib.import_module("jax_ls2.ops.embedding")
+softmax_ops = importlib.import_module("jax_ls2.ops.softmax")
 from jax_ls2.ops.flash_attention import attention_keep_mask
 
 RATE = 0.3
@@ -60,11 +65,12 @@ def test_keep_bits_at_huge_offsets_follow_the_numbers():
     c0 = int(cross) - 5 if 0 < cross < shape[2] - 16 else 0
     offsets = jnp.asarray([b, t, c0], jnp.uint32)
     box = (1, 2, 16)
-    got = np.asarray(_random.keep_mask_at(SEED, offsets, box, strides, THRESHOLD)).ravel()
+    got = np.asarray(jax.jit(_random.keep_mask_at, static_argnums=(2, 3, 4))(SEED, offsets, box, strides,
+                                                                          THRESHOLD)).ravel()
     g = [start + dt * strides[1] + c0 + c for dt in range(2) for c in range(16)]
     hi = np.asarray([x >> 32 for x in g], np.uint32)
     lo = np.asarray([x & 0xFFFFFFFF for x in g], np.uint32)
-    want = np.asarray(_random.keep_bits_wide(SEED[0], SEED[1], hi, lo, THRESHOLD))
+    want = np.asarray(jax.jit(_random.keep_bits_wide, static_argnums=4)(SEED[0], SEED[1], hi, lo, THRESHOLD))
     np.testing.assert_array_equal(got, want)
     small = (3, 5, 7)
     np.testing.assert_array_equal(
@@ -122,9 +128,10 @@ def test_attention_numbering_is_the_same_vocabulary():
     """flash attention's block numbering is keep_mask_at over (batch, heads, q_total, kv_total)."""
     b, lq, h, lk, q_total, kv_total, q_off, kv_off = 2, 5, 3, 7, 40, 33, 17, 9
     seed5 = jnp.concatenate([SEED, jnp.asarray([q_off, kv_off], jnp.uint32)])
-    got = attention_keep_mask(seed5, (b, lq, h, 8), lk, THRESHOLD, q_total, kv_total)
-    want = _random.keep_mask_at(SEED, jnp.asarray([0, 0, q_off, kv_off], jnp.uint32), (b, h, lq, lk),
-                                _random.row_major_strides((b, h, q_total, kv_total)), THRESHOLD)
+    got = jax.jit(lambda s: attention_keep_mask(s, (b, lq, h, 8), lk, THRESHOLD, q_total, kv_total))(seed5)
+    want = jax.jit(lambda s, o: _random.keep_mask_at(s, o, (b, h, lq, lk),
+                                                     _random.row_major_strides((b, h, q_total, kv_total)),
+                                                     THRESHOLD))(SEED, jnp.asarray([0, 0, q_off, kv_off], jnp.uint32))
     np.testing.assert_array_equal(got, want)
 
 
