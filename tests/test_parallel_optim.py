@@ -210,3 +210,31 @@ def test_clipping_and_dynamic_loss_scale_use_all_shards(case):
 def optax_adamw():
     import optax
     return optax.adamw(1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [False, True])
+def test_gpt_train_step_gathers_nothing_but_updated_pieces(zero):
+    """The whole data-parallel train step of flax_models.training (GPT tiny, dropout on,
+    data=8): without ZeRO no all-gather at all; with ZeRO-1 one per parameter, of its
+    updated pieces, over the data axis."""
+    import flax_models as fm
+    from flax import nnx
+    from flax_models import data, training
+    cfg = fm.get_config("gpt", "tiny", hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
+    tx, _ = training.make_optimizer(1e-3, 3, 1)
+    mesh = parallel.make_mesh("data=8")
+    graphdef, state = training.create(cfg, impl="ls2", dtype=None, seed=0, tx=tx, mesh=mesh, zero=zero)
+    batch = training.shard_batch(data.make_batch(cfg, 0, 0, 8, 16), mesh)
+    hlo = training.make_step(graphdef).lower(state, batch).compile().as_text()
+    gathers = _collectives(hlo, "all-gather")
+    for op in ("reduce-scatter", "all-to-all", "collective-permute"):
+        assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
+    if not zero:
+        assert gathers == []
+        return
+    model, opt = nnx.merge(graphdef, state)
+    params = nnx.state(model, nnx.Param)
+    plan = opt.tx.update.plan(params)[2]
+    assert sorted(shape for shape, _ in gathers) == sorted(f"f32[{8 * n}]" for n in plan.piece_sizes)
+    assert all("{'data'}" in groups for _, groups in gathers)
