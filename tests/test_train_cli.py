@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -354,3 +356,18 @@ def test_data_mesh_with_zero1_prints_the_same_losses(one_device_run):
     _, opt = nnx.merge(got["graphdef"], got["state"])
     (mu,) = jax.tree.leaves(opt.opt_state.mu)
     assert mu.addressable_shards[0].data.size * 8 == mu.size
+
+
+@pytest.mark.slow
+def test_command_on_two_devices_prints_the_same_losses(one_device_run, tmp_path):
+    """``python -m flax_models.train ... --mesh data=2`` in a process of 2 CPU devices."""
+    want, want_out = one_device_run
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    metrics_file = str(tmp_path / "metrics.jsonl")
+    done = subprocess.run([sys.executable, "-m", "flax_models.train", *MESH_RUN, "--mesh", "data=2",
+                           "--metrics", metrics_file], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=2 (2 devices, 1 processes)" in done.stdout
+    assert _printed_losses(done.stdout) == _printed_losses(want_out)
+    got = [r["loss"] for r in metrics.read(metrics_file) if r["kind"] == "step"]
+    np.testing.assert_allclose(got, want["losses"], rtol=1e-6)
