@@ -14,6 +14,8 @@ to the cache and returns their logits (batch, t, vocab): first a prefill of the 
 * `generate(model, prompt, steps, temperature=0.0, key=None)`: prefill and ``steps``
   sampled tokens in one compiled program (greedy at temperature 0, else softmax
   sampling of ``logits / temperature``).
+
+The rows of a batch share one position: prompts of equal length (no left padding).
 """
 from __future__ import annotations
 
@@ -174,6 +176,8 @@ def generate(model, prompt, steps: int, *, temperature: float = 0.0, key=None, m
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"generate: prompt must be integer (batch, len), got {prompt.dtype}{tuple(prompt.shape)}")
     b, t = prompt.shape
+    if max_len is not None and max_len < t + steps:
+        raise ValueError(f"generate: max_len must hold the prompt and the new tokens ({t} + {steps}), got {max_len}")
     decoder = init_cache(model, b, max_len or t + steps, cache_dtype)
     graphdef, cache, rest = nnx.split(decoder, nnx.Cache, ...)
     key = jax.random.key(0) if key is None else key

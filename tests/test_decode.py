@@ -99,6 +99,8 @@ def test_decode_errors():
         decode.init_cache(_model("gpt", "plain"), 1, 129)
     with pytest.raises(ValueError, match="generate: temperature > 0 samples and needs key"):
         decode.generate(model, _ids("llama", 3), 2, temperature=0.7)
+    with pytest.raises(ValueError, match=r"generate: max_len must hold the prompt and the new tokens \(3 \+ 4\), got 6"):
+        decode.generate(model, _ids("llama", 3), 4, max_len=6)
     with pytest.raises(ValueError, match="generate: steps must be a positive int, got 0"):
         decode.generate(model, _ids("llama", 3), 0)
     with pytest.raises(TypeError, match="for_decoding: model must be a flax_models Llama or GPT, got Bert"):
