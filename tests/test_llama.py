@@ -222,6 +222,38 @@ def test_batch_sharded_loss_gathers_no_activations():
     _close(loss(params, sharded), loss(params, batch))
 
 
+def test_lowering_for_cuda_calls_the_fused_kernels(monkeypatch):
+    """A bf16 LLaMA block's value and gradients, lowered for CUDA (no GPU needed: the
+    targets are declared registered, as in test_ffi_targets), call the fused kernels:
+    RMSNorm (plain and with the residual add), rotary, flash attention and the gated
+    activation, forward and backward; and a decode step calls flash attention on the
+    cache."""
+    import re
+
+    from jax_ls2 import _ffi
+    from jax_ls2._dispatch import forget_choices
+    from test_ffi_targets import _target_literals
+    names = frozenset(name for name, _ in _target_literals())
+    monkeypatch.setattr(_ffi, "_load", lambda: (names, None))
+    forget_choices()
+    try:
+        layer = ls2.DecoderLayer(256, 512, 4, num_kv_heads=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                                 deterministic=True)
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        x = jnp.ones((2, 64, 256), jnp.bfloat16)
+        loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x).astype(jnp.float32))
+        text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+        called = set(re.findall(r"custom_call @jax_ls2_([a-z0-9_]+)", text))
+        assert {"rms_norm_fwd", "rms_norm_bwd", "rotary_fwd", "rotary_bwd", "flash_attention_fwd",
+                "flash_attention_bwd", "gated_act_dropout_fwd", "gated_act_dropout_bwd"} <= called, called
+        assert any(c.startswith("add_rms_norm") for c in called), called
+        layer.init_cache(2, 16)
+        step = jax.jit(lambda s, x: nnx.merge(*s)(x, decode=True)).trace(nnx.split(layer), x[:, :1])
+        assert "jax_ls2_flash_attention_fwd" in step.lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        forget_choices()
+
+
 # ---------------------------------------------------------------- GPU
 # Head dims 64 and 128 (the flash-attention kernels' sizes), the layer's kernels in bf16 /
 # fp16 against the plain twin in the same dtype, both against the twin in float64 on the
