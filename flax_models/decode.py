@@ -28,6 +28,7 @@ from flax import nnx
 import jax_ls2.nn as ls2_nn
 from flax_models.gpt import GPT
 from flax_models.llama import Llama
+from flax_models.plain.layers import _pick
 from jax_ls2.nn import kv_cache
 from jax_ls2.nn._common import matmul
 from jax_ls2.ops import bias_act_dropout, flash_attention
@@ -74,7 +75,8 @@ class GPTDecoding(nnx.Module):
         if _is_ls2(layer.attn_ln):
             ctx = flash_attention(q, k, v, causal=t > 1, padding_mask=mask)
         else:
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=t > 1, implementation="xla",
+            impl = "xla" if mask is not None else _pick("auto", False, t, t, q.shape[-1], q.dtype)
+            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=t > 1, implementation=impl,
                                                mask=None if mask is None else mask[:, None, None, :])
         return layer.attn.out(ctx.reshape(b, t, hidden))
 

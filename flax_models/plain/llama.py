@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_models.plain.layers import LayerNorm
+from flax_models.plain.layers import LayerNorm, _pick
 
 F32 = jnp.float32
 
@@ -128,7 +128,9 @@ class DecoderLayer(nnx.Module):
                 s = jnp.where(jnp.arange(s.shape[-2])[:, None] >= jnp.arange(s.shape[-1]), s, -1e30)
             p = self.attn_drop(jax.nn.softmax(s, axis=-1), deterministic=det).astype(v.dtype)
             return jnp.einsum("bnts,bsnh->btnh", p, v)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+        # cuDNN's fused attention where it applies (as the other twins pick it), else XLA's.
+        impl = _pick("auto", False, q.shape[1], k.shape[1], self.head_dim, q.dtype) if mask is None else "xla"
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
 
     def __call__(self, x, *, positions=None, segment_ids=None, deterministic=None, decode=False):
         det = deterministic if deterministic is not None else self.deterministic
