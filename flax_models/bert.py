@@ -17,13 +17,18 @@ class Bert(nnx.Module):
     projection, loss) runs on the first P predicted tokens of each sequence only, as in
     BERT's pre-training; predictions beyond P are left out of the loss and counted in
     "dropped_predictions" (0 when the data masks at most P tokens per sequence, see
-    ``flax_models.data.bert_batch(max_predictions=...)``)."""
+    ``flax_models.data.bert_batch(max_predictions=...)``).
+
+    ``cfg.tensor_axis`` / ``cfg.sequence_parallel``: as for `flax_models.gpt.GPT` (the
+    layers, the tied vocabulary-parallel embedding and head, ``mlm_bias`` split by
+    vocabulary, the vocabulary-parallel loss; the token-type embedding, its LayerNorm
+    and the MLM transform stay whole)."""
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         h = cfg.hidden_size
         self.cfg = cfg
-        self.embed = lib.Embedding(cfg.vocab_size, h, max_positions=cfg.max_len, **kw)
+        self.embed = lib.Embedding(cfg.vocab_size, h, max_positions=cfg.max_len, **cfg.vocab_options(), **kw)
         self.token_type = nnx.Embed(cfg.type_vocab_size, h,
                                     embedding_init=nnx.initializers.normal(0.02), **kw)
         self.embed_ln = lib.LayerNorm(h, epsilon=cfg.epsilon, dtype=dtype,
@@ -34,8 +39,9 @@ class Bert(nnx.Module):
         self.mlm_dense = nnx.Linear(h, h, **kw)
         self.mlm_ln = lib.LayerNorm(h, epsilon=cfg.epsilon, dtype=dtype,
                                     param_dtype=param_dtype, rngs=rngs)
-        self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype))
-        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
+        split = {} if cfg.tensor_axis is None else {"out_sharding": (cfg.tensor_axis,), "eager_sharding": False}
+        self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype), **split)
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **cfg.vocab_options(loss=True))
 
     def features(self, input_ids, *, token_type_ids=None, padding_mask=None):
         """The MLM head's input to the tied output projection: (B, T, hidden)."""

@@ -12,7 +12,8 @@ from flax_models.configs import Config
 
 class Transformer(nnx.Module):
     """``__call__(src, tgt_in)``: int (B, S), (B, T), ``cfg.pad_id`` padding -> logits
-    (B, T, vocab). ``loss(batch)``: batch {"src", "tgt_in", "tgt_out"}."""
+    (B, T, vocab). ``loss(batch)``: batch {"src", "tgt_in", "tgt_out"}. ``cfg.tensor_axis`` /
+    ``cfg.sequence_parallel``: as for `flax_models.gpt.GPT`."""
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -22,11 +23,11 @@ class Transformer(nnx.Module):
                                    scale=math.sqrt(cfg.hidden_size), padding_idx=cfg.pad_id,
                                    dropout=cfg.hidden_dropout,
                                    embedding_init=nnx.initializers.normal(cfg.hidden_size ** -0.5),
-                                   **kw)
+                                   **cfg.vocab_options(), **kw)
         self.encoder = lib.TransformerEncoder(cfg.num_layers, **layers)
         self.decoder = lib.TransformerDecoder(cfg.num_layers, **layers)
         self.criterion = lib.CrossEntropyCriterion(label_smoothing=cfg.label_smoothing,
-                                                   ignore_index=cfg.pad_id)
+                                                   ignore_index=cfg.pad_id, **cfg.vocab_options(loss=True))
 
     def features(self, src, tgt_in):
         """Decoder output before the tied output projection: (B, T_tgt, hidden)."""

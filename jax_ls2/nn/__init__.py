@@ -9,7 +9,7 @@ from jax_ls2.nn.config import LayerConfig
 from jax_ls2.nn.criterion import CrossEntropyCriterion
 from jax_ls2.nn.embedding import Embedding
 from jax_ls2.nn.layers import (Dropout, LayerNorm, TransformerDecoderLayer,
-                               TransformerEncoderLayer, TransformerLayer)
+                               TransformerEncoderLayer, TransformerLayer, tensor_parallel_state)
 from jax_ls2.nn.stack import TransformerDecoder, TransformerEncoder
 from jax_ls2.nn.decoder import DecoderLayer
 from jax_ls2.nn.kv_cache import KVCache
@@ -20,3 +20,4 @@ __all__ = ["BACKENDS", "CrossEntropyCriterion", "Dropout", "Embedding", "LayerCo
            "TransformerEncoder", "TransformerEncoderLayer", "TransformerLayer",
            "attention_core", "select_backend"]
 __all__ += ["DecoderLayer", "KVCache", "RMSNorm"]
+__all__ += ["tensor_parallel_state"]

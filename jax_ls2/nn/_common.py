@@ -7,6 +7,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import DelayedScaling, fp8_dot
+from jax_ls2.parallel.tensor import bound_axis_size, constrain_sequence
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 # The oldest CUDA compute capability with FP8 GEMMs (Ada, sm_89).
@@ -110,6 +111,67 @@ def check_fp8_device(owner: str) -> None:
         raise ValueError(f"{owner}: fp8 needs a GPU with FP8 GEMMs (CUDA compute capability {need} or newer: "
                          f"Ada, Hopper, Blackwell), got {device.device_kind} with compute capability "
                          f"{capability}; leave fp8=None on this GPU")
+
+
+def tensor_axis_size(axis: str) -> int | None:
+    """The size of mesh axis ``axis``: inside ``shard_map`` where it is manual, else in the
+    mesh set by ``jax.set_mesh``; None where neither has it."""
+    size = bound_axis_size(axis)
+    if size is not None:
+        return size
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return None
+    return mesh.shape[axis]
+
+
+def check_divisible(owner: str, axis: str, sizes: dict) -> None:
+    """Raises unless each of ``sizes`` ({name: size}) is a multiple of the size of mesh axis
+    ``axis`` (when a mesh or ``shard_map`` gives that size)."""
+    n = tensor_axis_size(axis)
+    if n is None:
+        return
+    for name, size in sizes.items():
+        if size % n:
+            raise ValueError(f"{owner}: {name} ({size}) must be a multiple of the size ({n}) of mesh axis "
+                             f"{axis!r}, which tensor parallelism splits it over; change {name} or the mesh")
+
+
+def check_tensor_parallel(owner: str, tensor_axis, sequence_parallel, sizes: dict) -> None:
+    """Checks ``tensor_axis`` (None or a mesh axis name) and ``sequence_parallel`` (a bool,
+    True only with a tensor axis), and ``sizes`` against the axis (see `check_divisible`)."""
+    if tensor_axis is not None and (not isinstance(tensor_axis, str) or not tensor_axis):
+        raise TypeError(f"{owner}: tensor_axis must be None or a mesh axis name (a str such as 'tensor'), "
+                        f"got {tensor_axis!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{owner}: sequence_parallel must be a Python bool, got {type(sequence_parallel).__name__}")
+    if sequence_parallel and tensor_axis is None:
+        raise ValueError(f"{owner}: sequence_parallel=True splits activations over the tensor axis; "
+                         f"set tensor_axis (e.g. 'tensor') too")
+    if tensor_axis is not None:
+        check_divisible(owner, tensor_axis, sizes)
+
+
+def require_tensor_axis(owner: str, axis: str, sizes: dict) -> None:
+    """At call time with tensor parallelism: the axis must be known (inside ``shard_map``
+    or in the mesh set by ``jax.set_mesh``) and divide ``sizes``."""
+    if tensor_axis_size(axis) is None:
+        raise ValueError(f"{owner}: tensor_axis={axis!r} needs a mesh with that axis: call it under "
+                         f"`with jax.set_mesh(mesh):` (the state placed by nnx.get_partition_spec) or inside "
+                         f"shard_map over it")
+    check_divisible(owner, axis, sizes)
+
+
+def split_sequence(x, axis: str, seq_dim: int = 1):
+    """x with dim ``seq_dim`` split over ``axis`` under ``jit`` (Megatron sequence
+    parallelism's layout); unchanged inside ``shard_map``, where x is already a shard."""
+    if bound_axis_size(axis) is not None:
+        return x
+    n = tensor_axis_size(axis)
+    if n is not None and x.shape[seq_dim] % n:
+        raise ValueError(f"sequence_parallel: the sequence length ({x.shape[seq_dim]}) must be a multiple of the "
+                         f"size ({n}) of mesh axis {axis!r}; pad the sequence or change the mesh")
+    return constrain_sequence("sequence_parallel", x, seq_dim, axis)
 
 
 def rng_stream(rngs, collection: str = "dropout"):

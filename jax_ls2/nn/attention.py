@@ -24,7 +24,10 @@ from flax.nnx.nn import dtypes
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
-                                matmul, resolve_deterministic, rng_stream)
+                                check_tensor_parallel, matmul, promoted_dtype, require_tensor_axis,
+                                resolve_deterministic, rng_stream)
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+                                     row_parallel_linear)
 
 BACKENDS = ("auto", "cudnn", "fused", "xla")
 
@@ -123,14 +126,29 @@ class MultiHeadAttention(nnx.Module):
       fp8: None or a `jax_ls2.fp8.DelayedScaling` (hidden_size a multiple of 16).
       fp8_amax_axes: mesh axes of the amax reduction inside ``shard_map`` (see
         `jax_ls2.fp8.fp8_dot`'s ``amax_axes``).
+      tensor_axis: None, or the mesh axis Megatron tensor parallelism splits the heads
+        over (num_heads a multiple of its size): ``qkv`` (``q``, ``kv``) become
+        `jax_ls2.parallel.ColumnParallelLinear` s with kernels ``(hidden, 3, hidden)``
+        (``(hidden, hidden)``, ``(hidden, 2, hidden)``) and biases ``(3, hidden)``,
+        split on the last dim (whole heads per device), and ``out`` a
+        `jax_ls2.parallel.RowParallelLinear`; each device attends with its heads.
+        Attention dropout then runs as the "xla" backend's softmax and
+        ``ops.dropout`` (the "fused" backend's mask), which shard along heads.
+      sequence_parallel: with ``tensor_axis``, x and memory come split along the
+        sequence (dim 1) over the tensor axis and are all-gathered before the
+        projections; the output projection reduce-scatters along the sequence.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, self_attention: bool = True,
                  attn_dropout: float = 0.0, attention_backend: str = "auto",
                  deterministic: bool | None = None, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), fp8=None, fp8_amax_axes=(),
-                 rngs: nnx.Rngs):
+                 tensor_axis: str | None = None, sequence_parallel: bool = False, rngs: nnx.Rngs):
         self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
+        check_tensor_parallel("MultiHeadAttention", tensor_axis, sequence_parallel, {"num_heads": num_heads})
+        if tensor_axis is not None and fp8 is not None:
+            raise ValueError("MultiHeadAttention: fp8 with tensor_axis is not supported; leave one of them unset")
+        self.tensor_axis, self.sequence_parallel = tensor_axis, sequence_parallel
         if attention_backend not in BACKENDS:
             raise ValueError(f"MultiHeadAttention: attention_backend must be one of {BACKENDS}, "
                              f"got {attention_backend!r}")
@@ -141,17 +159,54 @@ class MultiHeadAttention(nnx.Module):
         self.deterministic = deterministic
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
-        if self_attention:
+        if tensor_axis is not None:
+            tp = dict(kw, tensor_axis=tensor_axis, sequence_dim=self._seq_dim)
+            if self_attention:
+                self.qkv = ColumnParallelLinear(hidden_size, (3, hidden_size), **tp)
+            else:
+                self.q = ColumnParallelLinear(hidden_size, hidden_size, **tp)
+                self.kv = ColumnParallelLinear(hidden_size, (2, hidden_size), **tp)
+            self.out = RowParallelLinear(hidden_size, hidden_size, **tp)
+        elif self_attention:
             self.qkv = nnx.Linear(hidden_size, 3 * hidden_size, **kw)
         else:
             self.q = nnx.Linear(hidden_size, hidden_size, **kw)
             self.kv = nnx.Linear(hidden_size, 2 * hidden_size, **kw)
-        self.out = nnx.Linear(hidden_size, hidden_size, **kw)
+        if tensor_axis is None:
+            self.out = nnx.Linear(hidden_size, hidden_size, **kw)
         self.rngs = rng_stream(rngs)
         self.fp8 = fp8
         self.fp8_amax_axes = check_fp8("MultiHeadAttention", fp8, fp8_amax_axes, {"hidden_size": hidden_size})
         if fp8 is not None:
             self._setup_fp8(fp8)
+
+    @property
+    def _seq_dim(self) -> int | None:
+        """The sequence dim of x under Megatron sequence parallelism, else None."""
+        return 1 if self.sequence_parallel else None
+
+    def _column(self, x, linear):
+        """Tensor parallelism: ``x @ kernel + bias`` of a column-parallel projection,
+        (..., hidden) -> (..., [parts,] this device's or the sharded heads * head_dim)."""
+        return column_parallel_linear(x, linear.kernel[...], linear.bias[...], axis_name=self.tensor_axis,
+                                      sequence_dim=self._seq_dim, dtype=self.dtype)
+
+    def _heads(self, y):
+        """(..., heads * head_dim) -> (..., heads, head_dim); heads are this device's inside
+        ``shard_map``."""
+        return y.reshape(*y.shape[:-1], y.shape[-1] // self.head_dim, self.head_dim)
+
+    def output(self, ctx):
+        """The ``out`` projection without its bias, and the bias: ctx (..., hidden) -> (y
+        (..., hidden), bias (hidden,)), the bias left for a fused epilogue. With
+        ``tensor_axis`` the row-parallel product, reduced (or reduce-scattered along the
+        sequence) over the tensor axis."""
+        if self.tensor_axis is None:
+            return matmul(ctx, self.out, self.dtype, self._fp8_gemm("out"))
+        kernel, bias = self.out.kernel[...], self.out.bias[...]
+        y = row_parallel_linear(ctx, kernel, None, axis_name=self.tensor_axis, sequence_dim=self._seq_dim,
+                                dtype=self.dtype)
+        return y, bias.astype(promoted_dtype(self.dtype, ctx, kernel, bias))
 
     def _setup_fp8(self, recipe):
         check_fp8_device("MultiHeadAttention")
@@ -170,7 +225,10 @@ class MultiHeadAttention(nnx.Module):
 
     def project_kv(self, memory):
         """Cross-attention keys and values: ``memory @ kv.kernel + kv.bias``, memory
-        (..., hidden) -> (..., 2*hidden)."""
+        (..., hidden) -> (..., 2*hidden); with ``tensor_axis`` (..., 2, hidden) split on
+        the last dim over the tensor axis."""
+        if self.tensor_axis is not None:
+            return self._column(memory, self.kv)
         if self.fp8 is None:
             return self.kv(memory)
         y, b = matmul(memory, self.kv, self.dtype, self._fp8_gemm("kv"))
@@ -250,6 +308,8 @@ class MultiHeadAttention(nnx.Module):
                                  f"{shape}, got {[tuple(t.shape) for t in qkv]}"
                                  + ("" if self.self_attention else " for cross-attention"))
             q, k, v = qkv
+        elif self.tensor_axis is not None:
+            q, k, v = self._tensor_parallel_qkv(x, memory, kv)
         elif self.self_attention:
             q, k, v = self._project_parts(xs or (x,) * 3, self.qkv, 3)
         else:
@@ -268,10 +328,33 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError(f"MultiHeadAttention: kv must have shape (..., {2 * self.hidden_size}) "
                                  f"(batch, k_len, ...; k_len first with seq_first), got {tuple(kv.shape)}")
             k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
+        backend = self.attention_backend
+        if self.tensor_axis is not None:
+            require_tensor_axis("MultiHeadAttention", self.tensor_axis, {"num_heads": self.num_heads})
+            if seq_first:
+                raise ValueError("MultiHeadAttention: tensor_axis needs batch-first x (seq_first=False)")
+            if backend in ("auto", "fused") and not deterministic and self.attn_dropout > 0:
+                backend = "xla"  # the fused softmax keeps only its first dim sharded
         ctx = attention_core(q, k, v, padding_mask=padding_mask, causal=causal,
                              rate=self.attn_dropout, key=key, deterministic=deterministic,
-                             backend=self.attention_backend, seq_first=seq_first)
-        return ctx.reshape(*ctx.shape[:-2], self.hidden_size)
+                             backend=backend, seq_first=seq_first)
+        return ctx.reshape(*ctx.shape[:-2], ctx.shape[-2] * self.head_dim)
+
+    def _tensor_parallel_qkv(self, x, memory, kv):
+        """q, k, v (batch, len, heads here, head_dim) from column-parallel projections."""
+        if self.self_attention:
+            y = self._column(x, self.qkv)
+            return [self._heads(y[..., i, :]) for i in range(3)]
+        q = self._heads(self._column(x, self.q))
+        if kv is None:
+            if memory is None:
+                raise ValueError("MultiHeadAttention: cross-attention needs memory or kv")
+            check_hidden("MultiHeadAttention", memory, self.hidden_size, "memory")
+            kv = self.project_kv(memory)
+        elif kv.ndim < 3 or kv.shape[-2] != 2:
+            raise ValueError(f"MultiHeadAttention: with tensor_axis kv must be project_kv's (..., 2, hidden), "
+                             f"got {tuple(kv.shape)}")
+        return [q] + [self._heads(kv[..., i, :].astype(q.dtype)) for i in range(2)]
 
     def __call__(self, x, memory=None, *, padding_mask=None, causal=False, kv=None,
                  deterministic: bool | None = None, rngs=None, seq_first: bool = False):
@@ -283,5 +366,5 @@ class MultiHeadAttention(nnx.Module):
             key = draw_key("MultiHeadAttention", self.rngs, rngs)
         ctx = self.context(x, memory, padding_mask=padding_mask, causal=causal, kv=kv, key=key,
                            deterministic=det, seq_first=seq_first)
-        y, b = matmul(ctx, self.out, self.dtype, self._fp8_gemm("out"))
+        y, b = self.output(ctx)
         return y + b

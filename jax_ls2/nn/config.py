@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_ls2.nn._common import check_activation, check_fp8, check_heads, check_rate
+from jax_ls2.nn._common import check_activation, check_fp8, check_heads, check_rate, check_tensor_parallel
 from jax_ls2.nn.attention import BACKENDS
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
@@ -50,6 +50,25 @@ class LayerConfig:
       fp8_amax_axes: mesh axis names (inside ``shard_map``) over which the FP8 amaxes
         are max-reduced (`jax_ls2.fp8.fp8_dot`'s ``amax_axes``); ``()`` under a sharded
         ``jit`` or on one device.
+      tensor_axis: None (default: no tensor parallelism) or the name of the mesh axis
+        (``jax_ls2.parallel.TENSOR``, "tensor") that Megatron tensor parallelism splits
+        the layer over: the q/k/v (and cross-attention q, kv) projections and fc1 are
+        column-parallel (heads and FFN features split over the axis), the attention
+        output and fc2 row-parallel (one all-reduce each in the forward pass). The fused
+        projections' kernels are then ``(hidden, parts, hidden)`` (parts 3 for q, k, v,
+        2 for cross-attention's k, v; biases ``(parts, hidden)``): the values of the
+        unsplit layer's ``(hidden, parts * hidden)`` reshaped (see
+        `jax_ls2.nn.tensor_parallel_state`). Parameters carry their partition specs
+        (``nnx.get_partition_spec(nnx.state(layer))``). num_heads and ffn_size must be
+        multiples of the axis size. Run under ``jit`` with the mesh set
+        (``jax.set_mesh(mesh)``) and the state placed by those specs, or inside
+        ``shard_map`` with the parameters passed by them.
+      sequence_parallel: Megatron sequence parallelism (needs ``tensor_axis``): outside
+        the tensor-parallel regions the activations (LayerNorm, dropout, residual) are
+        split along the sequence over the tensor axis; an all-gather before each
+        column-parallel GEMM and a reduce-scatter after each row-parallel one replace
+        the all-reduces. The layer's x and output are then (batch, len, hidden) split
+        along len over the tensor axis (inside ``shard_map``: this device's part).
     """
     hidden_size: int
     ffn_size: int
@@ -66,6 +85,8 @@ class LayerConfig:
     param_dtype: Any = jnp.float32
     fp8: Any = None
     fp8_amax_axes: tuple = ()
+    tensor_axis: str | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for name, value in _checked("LayerConfig", _fields(self)).items():
@@ -128,6 +149,10 @@ def _checked(owner: str, f: dict) -> dict:
     _check_dtype(owner, "param_dtype", f["param_dtype"], allow_none=False)
     f["fp8_amax_axes"] = check_fp8(owner, f["fp8"], f["fp8_amax_axes"],
                                    {"hidden_size": f["hidden_size"], "ffn_size": f["ffn_size"]})
+    check_tensor_parallel(owner, f["tensor_axis"], f["sequence_parallel"],
+                          {"num_heads": f["num_heads"], "ffn_size": f["ffn_size"]})
+    if f["tensor_axis"] is not None and f["fp8"] is not None:
+        raise ValueError(f"{owner}: fp8 with tensor_axis is not supported; leave one of them unset")
     return f
 
 

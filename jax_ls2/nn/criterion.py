@@ -1,10 +1,15 @@
 """Token-level classification loss over the fused ``cross_entropy`` op."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_ls2.nn import _ops_compat as ops
+from jax_ls2.nn._common import check_tensor_parallel, require_tensor_axis, tensor_axis_size
+from jax_ls2.parallel.cross_entropy import vocab_parallel_cross_entropy
+from jax_ls2.parallel.tensor import bound_axis_size
 
 
 class CrossEntropyCriterion(nnx.Module):
@@ -16,15 +21,27 @@ class CrossEntropyCriterion(nnx.Module):
     ``linear(hidden, weight, labels, bias=None)``: the same loss of ``hidden @ weight.T
     + bias`` without materialising the logits (hidden (..., h), weight (vocab, h), bias
     (vocab,), one dtype).
+
+    ``tensor_axis``: None, or the mesh axis the vocabulary is split over (a
+    vocabulary-parallel output head, e.g. ``Embedding(tensor_axis=...)``'s table):
+    ``linear`` then takes weight ``(vocab, h)`` and bias split by rows over that axis and
+    runs inside ``shard_map`` over it (entered here under ``jit`` with the mesh set):
+    each device forms its ``(..., vocab / n)`` logits and
+    `jax_ls2.parallel.vocab_parallel_cross_entropy` combines the log-sum-exp across
+    devices, never gathering the logits; hidden and labels are taken replicated over the
+    axis (a sequence-split hidden is all-gathered). Already inside ``shard_map``, the
+    mean is over this device's tokens. An axis of size 1 runs the unsplit op.
     """
 
     def __init__(self, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
-                 z_loss: float = 0.0):
+                 z_loss: float = 0.0, tensor_axis: str | None = None):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"CrossEntropyCriterion: label_smoothing must be in [0, 1), "
                              f"got {label_smoothing}")
         self.label_smoothing, self.ignore_index = float(label_smoothing), ignore_index
         self.z_loss = float(z_loss)
+        check_tensor_parallel("CrossEntropyCriterion", tensor_axis, False, {})
+        self.tensor_axis = tensor_axis
 
     def __call__(self, logits, labels):
         if logits.shape[:-1] != labels.shape:
@@ -40,8 +57,31 @@ class CrossEntropyCriterion(nnx.Module):
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(f"CrossEntropyCriterion.linear: labels must have shape {hidden.shape[:-1]}, "
                              f"got {tuple(labels.shape)}")
+        if self.tensor_axis is not None and tensor_axis_size(self.tensor_axis) != 1:
+            return self._vocab_parallel(hidden, weight, labels, bias)
         loss, count = ops.linear_cross_entropy(hidden, weight, labels, bias=bias,
                                                label_smoothing=self.label_smoothing,
                                                ignore_index=self.ignore_index, z_loss=self.z_loss,
                                                reduction="mean")
+        return loss, jnp.asarray(count, jnp.float32)
+
+    def _vocab_parallel(self, hidden, weight, labels, bias):
+        axis = self.tensor_axis
+        require_tensor_axis("CrossEntropyCriterion", axis, {"vocab (weight rows)": weight.shape[0]})
+        if weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(f"CrossEntropyCriterion.linear: weight must have shape (vocab, {hidden.shape[-1]}), "
+                             f"got {tuple(weight.shape)}")
+        kw = dict(label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, z_loss=self.z_loss,
+                  reduction="mean")
+
+        def local(hidden, weight, labels, *bias):
+            logits = jnp.dot(hidden, weight.T)
+            if bias:
+                logits = logits + bias[0]
+            return vocab_parallel_cross_entropy(logits, labels, axis, **kw)
+        args = (hidden, weight, labels) + (() if bias is None else (bias,))
+        if bound_axis_size(axis) is None:
+            specs = (P(), P(axis, None), P()) + (() if bias is None else (P(axis),))
+            local = jax.shard_map(local, in_specs=specs, out_specs=(P(), P()), axis_names={axis})
+        loss, count = local(*args)
         return loss, jnp.asarray(count, jnp.float32)

@@ -18,7 +18,10 @@ from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
-                                resolve_deterministic, rng_stream)
+                                require_tensor_axis, resolve_deterministic, rng_stream, split_sequence)
+from jax_ls2.ops.dropout import _act
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+                                     row_parallel_linear)
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
@@ -87,6 +90,8 @@ class _Block(nnx.Module):
         if c.fp8 is not None:
             check_fp8_device(self._owner)
             attn.update(fp8=c.fp8, fp8_amax_axes=c.fp8_amax_axes)
+        if c.tensor_axis is not None:
+            attn.update(tensor_axis=c.tensor_axis, sequence_parallel=c.sequence_parallel)
         lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
         self.attn_ln = LayerNorm(c.hidden_size, **ln)
         self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True, **attn)
@@ -95,8 +100,13 @@ class _Block(nnx.Module):
             self.cross_attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=False,
                                                  **attn)
         self.ffn_ln = LayerNorm(c.hidden_size, **ln)
-        self.fc1 = nnx.Linear(c.hidden_size, c.ffn_size, **lin)
-        self.fc2 = nnx.Linear(c.ffn_size, c.hidden_size, **lin)
+        if c.tensor_axis is None:
+            self.fc1 = nnx.Linear(c.hidden_size, c.ffn_size, **lin)
+            self.fc2 = nnx.Linear(c.ffn_size, c.hidden_size, **lin)
+        else:
+            tp = dict(lin, tensor_axis=c.tensor_axis, sequence_dim=self._seq_dim)
+            self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_size, **tp)
+            self.fc2 = RowParallelLinear(c.ffn_size, c.hidden_size, **tp)
         self.rngs = rng_stream(rngs)
         if c.fp8 is not None:
             self.fc1_fp8, self.fc2_fp8 = FP8DotMeta(c.fp8), FP8DotMeta(c.fp8)
@@ -104,8 +114,25 @@ class _Block(nnx.Module):
     @property
     def _qkv_uses(self) -> int:
         """Copies of the pre-LN LayerNorm output the self-attention projections take: one
-        per q, k, v GEMM in bf16, one for FP8 (quantized once for the three GEMMs)."""
-        return 3 if self.config.fp8 is None else 1
+        per q, k, v GEMM in bf16, one for FP8 (quantized once for the three GEMMs) and for
+        tensor parallelism (one column-parallel GEMM, one all-gather with sequence
+        parallelism)."""
+        return 3 if self.config.fp8 is None and self.config.tensor_axis is None else 1
+
+    @property
+    def _seq_dim(self) -> int | None:
+        """The sequence dim of x under Megatron sequence parallelism, else None."""
+        return 1 if self.config.sequence_parallel else None
+
+    def _check_tensor_axis(self, x, seq_first: bool):
+        c = self.config
+        if c.tensor_axis is None:
+            return
+        require_tensor_axis(self._owner, c.tensor_axis, {"num_heads": c.num_heads, "ffn_size": c.ffn_size})
+        if seq_first:
+            raise ValueError(f"{self._owner}: tensor_axis needs batch-first x (seq_first=False)")
+        if c.sequence_parallel:
+            split_sequence(x[0] if isinstance(x, tuple) else x, c.tensor_axis)  # checks the length
 
     def _fc_gemm(self, name: str):
         """The `FP8Gemm` of ``fc1`` or ``fc2``, or None without fp8."""
@@ -154,9 +181,19 @@ class _Block(nnx.Module):
                 *hs, x_res = x if isinstance(x, tuple) else (x, x)
             h = tuple(hs) if len(hs) > 1 else hs[0]
             y, b = sub(h)
-        out = ops.bias_dropout_residual(y, b, x_res.astype(y.dtype), rate=self.hidden_dropout,
-                                        key=key, deterministic=det, seq_first=seq_first)
+        out = self._bias_dropout_residual(y, b, x_res.astype(y.dtype), det, key, seq_first)
         return out if self.pre_layer_norm else ln(out, copies=next_uses)
+
+    def _bias_dropout_residual(self, y, b, residual, det, key, seq_first):
+        """``residual + dropout(y + b)``: the fused op, or under sequence parallelism the
+        same float32 math and mask as jnp with ``ops.dropout`` (the fused op keeps only
+        its first dim sharded, so it would gather the sequence)."""
+        if not self.config.sequence_parallel:
+            return ops.bias_dropout_residual(y, b, residual, rate=self.hidden_dropout, key=key, deterministic=det,
+                                             seq_first=seq_first)
+        v = ops.dropout(y.astype(jnp.float32) + b.astype(jnp.float32), rate=self.hidden_dropout, key=key,
+                        deterministic=det)
+        return (residual.astype(jnp.float32) + v).astype(y.dtype)
 
     def _check_copies(self, x, output_copies):
         """x, checked: an array, or (post-LN) the four copies a previous layer returned
@@ -224,11 +261,13 @@ class _Block(nnx.Module):
                                           dtype=promoted_dtype(self.dtype, h, kernel), amax_axes=c.fp8_amax_axes,
                                           return_input=True, splits=3)
             ctx = mha.context(h, qkv=mha.add_bias_parts(ys, bias), key=key, deterministic=det, **kw)
-            out, b = matmul(ctx, mha.out, self.dtype, mha._fp8_gemm("out"))
+            out, b = mha.output(ctx)
             return out, b, x_res
         return fused
 
     def _ffn(self, h, det, key, seq_first):
+        if self.config.tensor_axis is not None:
+            return self._tensor_parallel_ffn(h, det, key)
         if self._fp8_fusable_ffn(det):
             return self._fp8_mlp(h)[:2]
         y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
@@ -236,10 +275,24 @@ class _Block(nnx.Module):
                                  key=key, deterministic=det, seq_first=seq_first)
         return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
 
+    def _tensor_parallel_ffn(self, h, det, key):
+        """Megatron MLP: column-parallel fc1, bias + activation + dropout on the FFN
+        features split over the tensor axis (jnp with ``ops.dropout``: the fused op's
+        float32 math and mask, sharded along features), row-parallel fc2. Returns (y, fc2
+        bias) as `matmul`."""
+        c = self.config
+        kw = dict(axis_name=c.tensor_axis, sequence_dim=self._seq_dim, dtype=self.dtype)
+        w1, b1 = self.fc1.kernel[...], self.fc1.bias[...]
+        y = column_parallel_linear(h, w1, None, **kw)
+        a = _act(y.astype(jnp.float32) + b1.astype(y.dtype).astype(jnp.float32), self.activation)
+        a = ops.dropout(a, rate=self.activation_dropout, key=key, deterministic=det).astype(y.dtype)
+        w2, b2 = self.fc2.kernel[...], self.fc2.bias[...]
+        return row_parallel_linear(a, w2, None, **kw), b2.astype(promoted_dtype(self.dtype, a, w2, b2))
+
     def _attn_sub(self, mha, det, key, **kw):
         def sub(h):
             ctx = mha.context(h, key=key, deterministic=det, **kw)
-            return matmul(ctx, mha.out, self.dtype, mha._fp8_gemm("out"))
+            return mha.output(ctx)
         return sub
 
 
@@ -251,7 +304,11 @@ _DOC_ARGS = """
       **options: the other `LayerConfig` fields (``pre_layer_norm``, ``activation``,
         ``attn_dropout``, ``activation_dropout``, ``hidden_dropout``, ``epsilon``,
         ``attention_backend``, ``deterministic``, ``dtype``, ``param_dtype``, ``fp8``,
-        ``fp8_amax_axes``); with a `LayerConfig`, they override its fields.
+        ``fp8_amax_axes``, ``tensor_axis``, ``sequence_parallel``); with a `LayerConfig`,
+        they override its fields.
+      tensor_axis, sequence_parallel: Megatron tensor and sequence parallelism over that
+        mesh axis (see `LayerConfig`): ``attn`` as `MultiHeadAttention`'s, ``fc1`` a
+        `jax_ls2.parallel.ColumnParallelLinear`, ``fc2`` a `RowParallelLinear`.
       fp8: None (default) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM (q, k, v,
         attention output, fc1, fc2; cross-attention's q, kv and output) runs in FP8
         through `jax_ls2.fp8` (`fp8_dot`; pre-LN LayerNorms fused into the q, k, v and fc1
@@ -291,6 +348,7 @@ class TransformerEncoderLayer(_Block):
                  deterministic: bool | None = None, rngs=None, output_copies: int = 1,
                  seq_first: bool = False):
         x = self._check_copies(x, output_copies)
+        self._check_tensor_axis(x, seq_first)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         attn_kw = dict(padding_mask=padding_mask, causal=causal, seq_first=seq_first)
         x = self._residual(self._attn_sub(self.attn, det, k_attn, **attn_kw), x, self.attn_ln, det, k_r1,
@@ -322,6 +380,7 @@ class TransformerDecoderLayer(_Block):
                  memory_padding_mask=None, deterministic: bool | None = None, rngs=None,
                  output_copies: int = 1, seq_first: bool = False):
         x = self._check_copies(x, output_copies)
+        self._check_tensor_axis(x, seq_first)
         det, keys = self._keys(deterministic, rngs, 6)
         attn_kw = dict(padding_mask=padding_mask, causal=True, seq_first=seq_first)
         x = self._residual(self._attn_sub(self.attn, det, keys[0], **attn_kw), x, self.attn_ln, det, keys[1],
@@ -376,3 +435,14 @@ def TransformerLayer(hidden_size: int, ffn_size: int | None = None, num_heads: i
     config = layer_config(owner, hidden_size, named.pop("ffn_size", None),
                           named.pop("num_heads", None), named)
     return kinds[layer_type](config, rngs=rngs)
+
+
+def tensor_parallel_state(state, like):
+    """``state`` (a module's ``nnx.State``) with each leaf reshaped to ``like``'s leaf at the
+    same path: an unsplit model's parameters in the layout of the same model built with
+    ``tensor_axis`` (``like``: its state; the fused projections' ``(hidden, parts *
+    hidden)`` kernels become ``(hidden, parts, hidden)``), or back. Values are unchanged."""
+    values = jax.tree.map(lambda a, b: a.reshape(b.shape), nnx.to_pure_dict(state), nnx.to_pure_dict(like))
+    out = jax.tree.map(lambda a: a, like)
+    nnx.replace_by_pure_dict(out, values)
+    return out

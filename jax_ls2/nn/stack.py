@@ -8,7 +8,12 @@ per-layer form (``batched_cross_kv=False``). With ``fp8`` each layer's kv projec
 its own FP8 GEMM (one meta per GEMM), so the stack then computes them layer by layer.
 
 Both stacks take ``fp8`` and ``fp8_amax_axes`` as `LayerConfig` fields and give them to
-every layer (see `jax_ls2.nn.TransformerEncoderLayer`).
+every layer (see `jax_ls2.nn.TransformerEncoderLayer`), and so ``tensor_axis`` and
+``sequence_parallel`` (Megatron tensor and sequence parallelism, see `LayerConfig`):
+the layers then run batch-first, the decoder projects each layer's cross-attention keys
+and values with its own column-parallel GEMM, and with ``sequence_parallel`` the stack
+splits x along the sequence over the tensor axis on entry (under ``jit``; inside
+``shard_map`` x comes as this device's part) and returns it so split.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_ls2.nn._common import resolve_deterministic
+from jax_ls2.nn._common import resolve_deterministic, split_sequence
 from jax_ls2.nn.config import LayerConfig, layer_config
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
 
@@ -68,6 +73,10 @@ def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
     takes batch-first operands as they are). The dropout ops number a sequence-first
     activation's elements in batch-first order, so masks do not depend on the layout and
     a batch-sharded sequence-first activation keeps its shards."""
+    if stack.config.tensor_axis is not None:
+        if stack.layout == "seq":
+            raise ValueError(f"{owner}: tensor_axis needs layout 'batch' or 'auto' (batch-first), got 'seq'")
+        return False
     if stack.layout == "seq":
         for name, a in (("x", x), ("memory", memory)):
             if a is not None and a.ndim != 3:
@@ -87,8 +96,16 @@ def _copies_for_next(layers, i) -> int:
     kernel sums; one where the next layer runs in FP8."""
     if i + 1 == len(layers) or layers[i].pre_layer_norm or layers[i + 1].pre_layer_norm:
         return 1
-    # An FP8 layer's q, k, v GEMMs share one input: a pair would suit it, one copy is close.
-    return 1 if layers[i + 1].config.fp8 is not None else 4
+    # An FP8 layer's q, k, v GEMMs share one input: a pair would suit it, one copy is close;
+    # a tensor-parallel layer's q, k, v are one GEMM.
+    nxt = layers[i + 1].config
+    return 1 if nxt.fp8 is not None or nxt.tensor_axis is not None else 4
+
+
+def _enter(config: LayerConfig, x):
+    """x as the layers take it: split along the sequence over the tensor axis under
+    sequence parallelism."""
+    return split_sequence(x, config.tensor_axis) if config.sequence_parallel else x
 
 
 class TransformerEncoder(nnx.Module):
@@ -126,6 +143,7 @@ class TransformerEncoder(nnx.Module):
                          output_copies=copies, seq_first=seq_first)
         if seq_first:
             x = x.swapaxes(0, 1)
+        x = _enter(self.config, x)
         for i, layer in enumerate(self.layers):
             fn = functools.partial(run, copies=_copies_for_next(self.layers, i))
             x = remat_call(layer, fn, x) if self.remat else fn(layer, x)
@@ -161,8 +179,9 @@ class TransformerDecoder(nnx.Module):
     def cross_kv(self, memory):
         """All layers' cross-attention K/V from one GEMM: a list of (batch, src_len, 2*hidden)
         ((src_len, batch, 2*hidden) from sequence-first memory). With fp8: one FP8 GEMM
-        per layer, each with its layer's meta."""
-        if self.config.fp8 is not None:
+        per layer, each with its layer's meta. With ``tensor_axis``: one column-parallel
+        GEMM per layer, each (batch, src_len, 2, hidden) split on the last dim."""
+        if self.config.fp8 is not None or self.config.tensor_axis is not None:
             return [l.cross_attn.project_kv(memory) for l in self.layers]
         kernels = [l.cross_attn.kv.kernel[...] for l in self.layers]
         biases = [l.cross_attn.kv.bias[...] for l in self.layers]
@@ -176,6 +195,7 @@ class TransformerDecoder(nnx.Module):
         seq_first = _seq_first("TransformerDecoder", self, x, deterministic, memory)
         if seq_first:
             x, memory = x.swapaxes(0, 1), memory.swapaxes(0, 1)
+        x, memory = _enter(self.config, x), _enter(self.config, memory)
         kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
 
         def run(layer, x, kv, *, copies):

@@ -160,3 +160,21 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> M
     grid = mesh_utils.create_device_mesh(shape, devices)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
+
+
+def shard_module(module, mesh: Mesh):
+    """Places a Flax NNX module's state on ``mesh`` by its partition specs, in place.
+
+    Every variable goes to ``NamedSharding(mesh, spec)`` with ``spec`` from
+    ``nnx.get_partition_spec(nnx.state(module))``: the annotated tensor-parallel
+    parameters split over their axes, everything else (LayerNorms, unannotated params,
+    dropout RNG state) replicated. Returns the module. Works for any pytree of modules,
+    e.g. ``(model, optimizer)``.
+    """
+    from flax import nnx  # noqa: PLC0415 (the mesh helpers need no Flax)
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    state = nnx.state(module)
+    specs = nnx.get_partition_spec(state)
+    nnx.update(module, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
+    return module

@@ -63,9 +63,10 @@ def _sequence_dim(op: str, x, sequence_dim: int | None) -> int | None:
     return sequence_dim % x.ndim
 
 
-def _constrain(op: str, x, seq: int, axis_name: str | None):
+def constrain_sequence(op: str, x, seq: int, axis_name: str | None):
     """``x`` with dim ``seq`` split over ``axis_name`` (None: whole), the features whole and
-    every other dim left to the partitioner; needs a mesh set with ``jax.set_mesh``."""
+    every other dim left to the partitioner, under ``jit``; needs a mesh set with
+    ``jax.set_mesh`` (``op`` names the caller in the error)."""
     if jax.sharding.get_abstract_mesh().empty:
         raise ValueError(f"{op}: sequence parallelism under jit needs the mesh set with jax.set_mesh(mesh) "
                          f"(or run inside shard_map)")
@@ -123,7 +124,7 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | No
         if bound_axis_size(axis_name) is not None:
             x = jax.lax.all_gather(x, axis_name, axis=seq, tiled=True)
         else:
-            x = _constrain(op, x, seq, None)
+            x = constrain_sequence(op, x, seq, None)
     y, bias = _linear(x, kernel, bias, dtype)
     return y if bias is None else y + bias
 
@@ -159,7 +160,7 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
         y = (jax.lax.psum(y, axis_name) if seq is None
              else jax.lax.psum_scatter(y, axis_name, scatter_dimension=seq, tiled=True))
     elif seq is not None:
-        y = _constrain(op, y, seq, axis_name)
+        y = constrain_sequence(op, y, seq, axis_name)
     return y if bias is None else y + bias
 
 
