@@ -1,0 +1,170 @@
+"""Megatron tensor and sequence parallelism in the jax_ls2 layers and the zoo, on the 8
+simulated CPU devices: the tiny GPT and BERT (4 heads, 2 layers) trained 3 steps with the
+fused AdamW, dropout on, against the same model on one device; the collectives and the
+per-device parameter bytes of a tensor-parallel encoder layer; the errors for sizes the
+tensor axis does not divide."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_models as fm
+from jax_ls2 import nn, parallel
+from jax_ls2.nn import tensor_parallel_state
+from jax_ls2.optim import adamw, update_nnx
+from jax_ls2.parallel.mesh import shard_module
+
+BATCH, LEN, STEPS = 8, 16, 3
+DROPOUT = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
+# (mesh spec, Megatron sequence parallelism)
+MESHES = [("data=8", False), ("data=2,tensor=4", False), ("data=2,tensor=2", True)]
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _batch(family, cfg, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, cfg.vocab_size, (BATCH, LEN))
+    labels = np.where(rng.random((BATCH, LEN)) < 0.3, -100, rng.integers(0, cfg.vocab_size, (BATCH, LEN)))
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "labels": jnp.asarray(labels, jnp.int32)}
+    if family == "bert":
+        batch["padding_mask"] = jnp.asarray(np.arange(LEN)[None, :] < rng.integers(LEN // 2, LEN + 1, (BATCH, 1)))
+    return batch
+
+
+def _step(model, opt, batch):
+    (loss, _), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
+    if not jax.sharding.get_abstract_mesh().empty:  # gradients laid out as their params
+        grads = jax.lax.with_sharding_constraint(grads, nnx.get_partition_spec(grads))
+    update_nnx(opt, model, grads)
+    return loss, grads
+
+
+def _train(model, batches):
+    """(losses, gradients, final params) of `STEPS` fused-AdamW steps. ``eps`` is large
+    enough that a gradient of rounding size takes no step: the key bias's is zero but for
+    rounding (softmax ignores it), and Adam would turn its noise into full steps."""
+    opt = nnx.Optimizer(model, adamw(1e-2, eps=1e-4, weight_decay=0.01), wrt=nnx.Param)
+    step = nnx.jit(_step)
+    losses, grads = [], []
+    for batch in batches:
+        loss, g = step(model, opt, batch)
+        losses.append(float(loss))
+        grads.append(g)
+    return losses, grads, nnx.state(model, nnx.Param)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device(family):
+    cfg = fm.get_config(family, "tiny", **DROPOUT)
+    model = fm.build(cfg)
+    start = jax.tree.map(jnp.copy, nnx.state(model))
+    batches = [_batch(family, cfg, s) for s in range(STEPS)]
+    return cfg, start, batches, _train(model, batches)
+
+
+def _close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+# GPT on every mesh, BERT (post-LN, padding, the MLM bias split by vocabulary) on the last.
+@pytest.mark.parametrize("family,spec,sequence_parallel", [("gpt", *m) for m in MESHES] + [("bert", *MESHES[-1])])
+def test_zoo_trains_like_one_device(family, spec, sequence_parallel):
+    cfg, start, batches, (want_losses, want_grads, want_params) = _single_device(family)
+    sizes = parallel.parse_mesh_spec(spec)
+    mesh = parallel.make_mesh(spec, devices=jax.devices()[:np.prod(list(sizes.values()))])
+    with jax.set_mesh(mesh):
+        # the one-device model's initial state in the split layout, without initialising again
+        graphdef, shapes = nnx.split(nnx.eval_shape(
+            lambda: fm.build(cfg.replace(tensor_axis="tensor", sequence_parallel=sequence_parallel))))
+        model = shard_module(nnx.merge(graphdef, tensor_parallel_state(start, shapes)), mesh)
+        sharded = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
+        losses, grads, params = _train(model, sharded)
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads):
+        _close(tensor_parallel_state(g, w), w)
+    _close(tensor_parallel_state(params, want_params), want_params)
+    if "tensor=" in spec:  # the split weights stay split through the optimizer step
+        qkv = params["decoder" if family == "gpt" else "encoder"]["layers"][0]["attn"]["qkv"]["kernel"]
+        assert qkv.get_value().sharding.spec == P(None, None, "tensor")
+
+
+# ------------------------------------------------------------------ one tensor-parallel layer
+HIDDEN, FFN, HEADS = 64, 128, 4
+
+
+def _layer(tensor_axis=None, sequence_parallel=False):
+    return nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, attention_backend="xla", deterministic=True,
+                                      tensor_axis=tensor_axis, sequence_parallel=sequence_parallel,
+                                      rngs=nnx.Rngs(0))
+
+
+def _collectives(hlo):
+    names = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    return {n: hlo.count(f" {n}(") + hlo.count(f" {n}-start(") for n in names}
+
+
+@pytest.mark.parametrize("sequence_parallel,expected", [
+    (False, {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0}),
+    (True, {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}),
+])
+def test_layer_forward_collectives(sequence_parallel, expected):
+    mesh = parallel.make_mesh("data=2,tensor=4")
+    graphdef, state = nnx.split(_layer("tensor", sequence_parallel))
+    specs = nnx.get_partition_spec(state)
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    x = jax.random.normal(jax.random.key(1), (4, 8, HIDDEN))
+    x_spec = P("data", "tensor") if sequence_parallel else P("data")
+    fwd = jax.jit(jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x, causal=True), mesh=mesh,
+                                in_specs=(specs, x_spec), out_specs=x_spec))
+    want = _layer()(x, causal=True)
+    np.testing.assert_allclose(fwd(state, x), want, rtol=2e-5, atol=2e-5)
+    counts = _collectives(fwd.lower(state, x).compile().as_text())
+    assert counts == dict(expected, **{"all-to-all": 0, "collective-permute": 0})
+
+
+def test_layer_parameter_bytes_per_device_fall_as_one_over_tensor():
+    split, whole = {}, {}
+    for t in (1, 2, 4):
+        mesh = parallel.make_mesh(f"data={8 // t},tensor={t}")
+        with jax.set_mesh(mesh):
+            state = nnx.state(_layer("tensor"), nnx.Param)
+            state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                       nnx.get_partition_spec(state)))
+        per_device = [(leaf.addressable_shards[0].data.nbytes, "tensor" in str(leaf.sharding.spec))
+                      for leaf in jax.tree.leaves(state)]
+        split[t] = sum(b for b, s in per_device if s)
+        whole[t] = sum(b for b, s in per_device if not s)
+    assert split[1] == split[2] * 2 == split[4] * 4
+    assert whole[1] == whole[2] == whole[4] < split[4]  # only LayerNorms and row-parallel biases stay whole
+
+
+# ------------------------------------------------------------------ errors
+def test_sizes_the_tensor_axis_does_not_divide():
+    with jax.set_mesh(parallel.make_mesh("data=1,tensor=8")):
+        with pytest.raises(ValueError, match=r"TransformerEncoderLayer: num_heads \(4\) must be a multiple of "
+                                             r"the size \(8\) of mesh axis 'tensor'"):
+            nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, tensor_axis="tensor", rngs=nnx.Rngs(0))
+    with jax.set_mesh(parallel.make_mesh("data=2,tensor=4")):
+        with pytest.raises(ValueError, match=r"ffn_size \(130\) must be a multiple of the size \(4\)"):
+            nn.TransformerEncoderLayer(HIDDEN, 130, HEADS, tensor_axis="tensor", rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=r"Embedding: vocab_size \(510\) must be a multiple of the size \(4\)"):
+            fm.build(fm.get_config("gpt", "tiny", vocab_size=510, tensor_axis="tensor"))
+        with pytest.raises(ValueError, match=r"sequence length \(6\) must be a multiple of the size \(4\)"):
+            layer = _layer("tensor", sequence_parallel=True)
+            jax.jit(lambda x: layer(x))(jnp.zeros((2, 6, HIDDEN)))
+
+
+def test_bad_parallel_options():
+    with pytest.raises(ValueError, match="LayerConfig: sequence_parallel=True .* set tensor_axis"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_parallel=True)
+    with pytest.raises(TypeError, match="LayerConfig: tensor_axis must be None or a mesh axis name"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, tensor_axis=4)
+    layer = _layer("tensor")
+    with pytest.raises(ValueError, match="TransformerEncoderLayer: tensor_axis='tensor' needs a mesh with that axis"):
+        layer(jnp.zeros((2, 8, HIDDEN)))
