@@ -363,7 +363,7 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
         else:
             state, start = training.restore_checkpoint(args.ckpt_dir, state, optimizer_layout=layout)
             print(f"{label}: resumed from step {start} ({args.ckpt_dir})", flush=True)
-    step_fn = training.make_step(graphdef)
+    step_fn = training.make_step(graphdef) if mesh is None else training.make_mesh_step(graphdef, state)
     eval_fn = training.make_eval_step(graphdef) if args.eval_every else None
     eval_data = [place(data.make_batch(cfg, args.seed, i, batch_size, seq, "eval"))
                  for i in range(args.eval_batches)] if eval_fn else []

@@ -133,6 +133,19 @@ def make_step(graphdef):
     repeated runs in one process compile once. A model with FP8 layers (``cfg.fp8``) is
     differentiated with respect to its FP8 metas too, and `update_nnx` steps them by the
     recipe after the params (the meta updates never reach the optimizer)."""
+    return jax.jit(_step_fn(graphdef), donate_argnums=0)
+
+
+def make_mesh_step(graphdef, state):
+    """`make_step` for a `state` placed on a mesh: the new state comes out with the
+    shardings it went in with (else the partitioner lays some of it out its own way and
+    the next step compiles again), loss and aux replicated. Not cached: one per run."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, P())
+    return jax.jit(_step_fn(graphdef), donate_argnums=0, out_shardings=(shardings, replicated, replicated))
+
+
+def _step_fn(graphdef):
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
         recipe = model.cfg.fp8
@@ -147,7 +160,7 @@ def make_step(graphdef):
         if finite is not None:
             aux = dict(aux, grads_finite=finite)
         return nnx.state((model, opt)), loss, aux
-    return jax.jit(step, donate_argnums=0)
+    return step
 
 
 @functools.lru_cache(maxsize=32)
