@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jax_ls2
 from jax_ls2 import optim, parallel
 from jax_ls2.optim import _abi
 
@@ -238,3 +239,16 @@ def test_gpt_train_step_gathers_nothing_but_updated_pieces(zero):
     plan = opt.tx.update.plan(params)[2]
     assert sorted(shape for shape, _ in gathers) == sorted(f"f32[{8 * n}]" for n in plan.piece_sizes)
     assert all("{'data'}" in groups for _, groups in gathers)
+
+
+@pytest.mark.skipif(not jax_ls2._ffi.has_target("jax_ls2_optim_update"), reason="extension not built")
+@pytest.mark.parametrize("zero", [None, "data"])
+def test_sharded_step_lowers_to_one_kernel_call_for_cuda(zero):
+    """Inside shard_map the step still reaches the fused kernel: one custom call per
+    device program when lowered for CUDA (needs the built extension, no GPU)."""
+    mesh = parallel.make_mesh("data=2,tensor=4")
+    stx = optim.shard_optimizer(_tx(), mesh, TENSOR_SPECS, zero_axis=zero)
+    params = _tree(0)
+    text = (jax.jit(lambda g, s, p: optim.apply_updates(stx, g, s, p)).trace(params, stx.init(params), params)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count("stablehlo.custom_call @jax_ls2_optim_update") == 1
