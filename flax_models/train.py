@@ -30,6 +30,7 @@ with gloo collectives for CPU devices; every process runs the same command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -113,8 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="with --fp8: amax history length per GEMM operand, at least 1 (default: 1024)")
     a("--mesh", help="train on a device mesh over all devices of all processes, e.g. data=8 or "
                       "data=2,tensor=4 (axes: pipe, data, seq, tensor; unnamed axes size 1; the "
-                      "sizes must multiply to the device count); tensor, seq and pipe above 1 "
-                      "are not supported yet (default: one device, no mesh)")
+                      "sizes must multiply to the device count); tensor splits heads, FFN and "
+                      f"vocabulary ({', '.join(TENSOR_FAMILIES)}); seq and pipe above 1 are not "
+                      "supported yet (default: one device, no mesh)")
+    a("--sequence-parallel", action="store_true",
+      help="with --mesh tensor=N: Megatron sequence parallelism (LayerNorm, dropout and "
+           "residuals on sequence parts over the tensor axis) (default: off)")
     a("--zero1", action="store_true",
       help="with --mesh: split the fused optimizer's moments over the data axis (ZeRO-1) "
            "(default: off)")
@@ -189,6 +194,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             parallel.parse_mesh_spec(args.mesh)
         except (TypeError, ValueError) as e:
             p.error(f"--mesh: {e}")
+    if args.sequence_parallel and (args.mesh is None or parallel.parse_mesh_spec(args.mesh)[parallel.TENSOR] == 1):
+        p.error("--sequence-parallel needs --mesh with tensor above 1 (it splits sequences over the tensor axis)")
     if args.zero1 and args.mesh is None:
         p.error("--zero1 needs --mesh (the data axis to split the optimizer state over)")
     if args.zero1 and (args.optimizer != "fused" or args.impl != "ls2" or args.compare):
@@ -225,26 +232,37 @@ def config_from(args):
 
 
 # ---------------------------------------------------------------------------- the mesh
-UNSUPPORTED_AXES = (parallel.TENSOR, parallel.SEQ, parallel.PIPE)
+UNSUPPORTED_AXES = (parallel.SEQ, parallel.PIPE)
 """Mesh axes the zoo models cannot be split over yet (their size must be 1)."""
+TENSOR_FAMILIES = ("bert", "gpt", "transformer")
+"""The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
 
 
 def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size):
-    """The mesh of ``--mesh`` (None without it), checked against the devices, the
-    model and the batch; a mismatch is a usage error naming what to change."""
+    """(mesh, cfg) for ``--mesh``: (None, cfg) without it; else the mesh, checked against
+    the devices, the model and the batch (a mismatch is a usage error naming what to
+    change), and cfg split over its tensor axis when that is above 1."""
     if args.mesh is None:
         if jax.process_count() > 1:
             p.error(f"{jax.process_count()} processes run; give --mesh (e.g. --mesh data={jax.device_count()}) "
                     "so that they train one model together")
-        return None
+        return None, cfg
     sizes = parallel.parse_mesh_spec(args.mesh)
     try:
         mesh = parallel.make_mesh(sizes)
     except ValueError as e:
         p.error(f"--mesh: {e}")
-    if cfg.num_heads % sizes[parallel.TENSOR]:
-        p.error(f"--mesh: tensor={sizes[parallel.TENSOR]} does not divide the {cfg.num_heads} heads of "
-                f"{cfg.family}/{args.preset}; use a tensor size dividing {cfg.num_heads}")
+    tensor = sizes[parallel.TENSOR]
+    for what, n in (("heads", cfg.num_heads), ("FFN width", cfg.ffn_size), ("vocabulary", cfg.vocab_size)):
+        if n % tensor:
+            p.error(f"--mesh: tensor={tensor} does not divide the {n} {what} of {cfg.family}/{args.preset}; "
+                    f"use a tensor size dividing {n}")
+    if tensor > 1 and args.compare:
+        p.error(f"--mesh: tensor={tensor} cannot be combined with --compare (the plain-Flax twin has no "
+                "tensor-parallel layers)")
+    if tensor > 1 and cfg.family not in TENSOR_FAMILIES:
+        p.error(f"--mesh: tensor={tensor}: {cfg.family} cannot be split over the tensor axis; it can for "
+                f"{', '.join(TENSOR_FAMILIES)} (or use a mesh without tensor)")
     if cfg.num_layers % sizes[parallel.PIPE]:
         p.error(f"--mesh: pipe={sizes[parallel.PIPE]} does not divide the {cfg.num_layers} layers of "
                 f"{cfg.family}/{args.preset}; use a pipe size dividing {cfg.num_layers}")
@@ -253,10 +271,12 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size):
                 "is a multiple of the data size")
     unsupported = [f"{a}={sizes[a]}" for a in UNSUPPORTED_AXES if sizes[a] > 1]
     if unsupported:
-        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the tensor, seq or pipe axes "
-                "is not supported yet; use a data-only mesh (e.g. --mesh data="
+        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the seq or pipe axes is not "
+                "supported yet; use data and tensor (e.g. --mesh data="
                 f"{math.prod(sizes.values())})")
-    return mesh
+    if tensor > 1:
+        cfg = cfg.replace(tensor_axis=parallel.TENSOR, sequence_parallel=args.sequence_parallel)
+    return mesh, cfg
 
 
 def describe_mesh(mesh) -> str:
@@ -342,6 +362,12 @@ def train(args, cfg, batch_size, seq, *, impl, params_from=None, label=None, met
     """Run one training; returns a dict of losses, step times and figures. ``metrics``: the
     JSONL file to write (see `flax_models.metrics`), or None. ``mesh``: None (one
     device) or the mesh of `mesh_from`."""
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return _train(args, cfg, batch_size, seq, impl=impl, params_from=params_from, label=label,
+                      metrics=metrics, mesh=mesh)
+
+
+def _train(args, cfg, batch_size, seq, *, impl, params_from, label, metrics, mesh):
     t_start = time.perf_counter()
     label = label or impl
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
@@ -441,7 +467,7 @@ def main(argv=None):
     # then lists the devices of all of them
     parallel.initialize_distributed(cpu_collectives="gloo")
     cfg, batch_size, seq = config_from(args)
-    mesh = mesh_from(p, args, cfg, batch_size)
+    mesh, cfg = mesh_from(p, args, cfg, batch_size)
     # with --fp8 the twin is jax_ls2 without FP8, else the other implementation
     twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")
     impls = [args.impl] + ([twin] if args.compare and twin != args.impl else [])

@@ -56,10 +56,20 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
     the state is placed on: params as their partition specs say (replicated without
     any), a fused optimizer through ``jax_ls2.optim.shard_optimizer`` (its state split as
     the params are, and over the data axis with ``zero``, ZeRO-1), everything else
-    replicated. Works with several processes: each builds the same host values."""
-    model = fm.build(cfg, impl=impl, dtype=dtype, seed=seed, train=True)
+    replicated. Works with several processes: each builds the same host values. With
+    ``cfg.tensor_axis`` the model starts from the weights of the same model unsplit
+    (so a run on any mesh starts where the one-device run does); build and step it
+    under ``jax.set_mesh(mesh)``."""
+    split = mesh is not None and cfg.tensor_axis is not None
+    whole = cfg.replace(tensor_axis=None, sequence_parallel=False) if split else cfg
+    model = fm.build(whole, impl=impl, dtype=dtype, seed=seed, train=True)
     if params_from is not None:
         nnx.update(model, jax.tree.map(jnp.copy, nnx.state(params_from, nnx.Param)))
+    if split:
+        from jax_ls2.nn.layers import tensor_parallel_state  # noqa: PLC0415
+        graphdef, like = nnx.split(nnx.eval_shape(lambda: fm.build(cfg, impl=impl, dtype=dtype, seed=seed,
+                                                                   train=True)))
+        model = nnx.merge(graphdef, tensor_parallel_state(nnx.state(model), like))
     if mesh is None:
         if zero:
             raise ValueError("create: zero (ZeRO-1) needs a mesh")
@@ -92,20 +102,26 @@ def _global_array(x, sharding):
 
 
 def place_on_mesh(state, mesh, specs=None):
-    """`state` with every array on `mesh`: arrays already on it stay; the others (host
-    values, or arrays on one local device) are placed as `specs` (a tree of
-    ``PartitionSpec`` like ``nnx.get_partition_spec(state)``) says, replicated where
-    there is none."""
+    """`state` with every array on `mesh`, as `specs` (a tree of ``PartitionSpec`` like
+    ``nnx.get_partition_spec(state)``) says, replicated where there is none. Without
+    `specs`, arrays already on the mesh stay as they are and the others (host values,
+    arrays on one local device) are replicated."""
     leaves, treedef = jax.tree.flatten(state)
-    if specs is None:
+    keep = specs is None
+    if keep:
         specs = [P()] * len(leaves)
     else:
         specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P) or s is None)
         specs = [P() if s is None else s for s in specs]
     out = []
     for x, spec in zip(leaves, specs):
-        on_mesh = isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
-        out.append(x if on_mesh else _global_array(x, NamedSharding(mesh, spec)))
+        target = NamedSharding(mesh, spec)
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            # a global array: resharded by XLA where it is laid out otherwise
+            out.append(x if keep or sharding.is_equivalent_to(target, x.ndim) else jax.device_put(x, target))
+        else:
+            out.append(_global_array(x, target))
     return jax.tree.unflatten(treedef, out)
 
 

@@ -282,10 +282,12 @@ def test_checksum_mismatch_is_refused(compare_run, tmp_path):
     (["--mesh", "tensor=8"], "tensor=8 does not divide the 4 heads of gpt/tiny"),
     (["--mesh", "data=2,pipe=4"], "pipe=4 does not divide the 2 layers of gpt/tiny"),
     (["--mesh", "data=8", "--batch", "4"], "data=8 does not divide --batch 4"),
-    (["--mesh", "data=2,tensor=4"], "tensor=4: splitting the zoo models over the tensor, seq or pipe axes is not "
-                                    "supported yet"),
+    (["--mesh", "data=4,seq=2"], "seq=2: splitting the zoo models over the seq or pipe axes is not supported yet"),
+    (["--mesh", "data=4,tensor=2", "--compare"], "tensor=2 cannot be combined with --compare"),
+    (["--mesh", "data=8", "--sequence-parallel"], "--sequence-parallel needs --mesh with tensor above 1"),
     (["--zero1"], "--zero1 needs --mesh"),
     (["--mesh", "data=8", "--zero1", "--optimizer", "optax"], "--zero1 needs the fused optimizer"),
+    (["--model", "vit", "--mesh", "data=4,tensor=2"], "vit cannot be split over the tensor axis"),
 ])
 def test_usage_errors_before_any_training(monkeypatch, capsys, extra, message):
     monkeypatch.setattr(T, "train", lambda *a, **k: pytest.fail("training started"))
@@ -371,3 +373,17 @@ def test_command_on_two_devices_prints_the_same_losses(one_device_run, tmp_path)
     assert _printed_losses(done.stdout) == _printed_losses(want_out)
     got = [r["loss"] for r in metrics.read(metrics_file) if r["kind"] == "step"]
     np.testing.assert_allclose(got, want["losses"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_mesh_prints_the_same_losses(one_device_run):
+    """GPT split over tensor=2 with Megatron sequence parallelism and ZeRO-1 over data=4,
+    started from the one-device run's weights."""
+    want, want_out = one_device_run
+    got, out = _main(MESH_RUN + ["--mesh", "data=4,tensor=2", "--sequence-parallel", "--zero1"])
+    assert "state split over data=4 (ZeRO-1), tensor=2" in out
+    assert _printed_losses(out) == _printed_losses(want_out)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    model, _ = nnx.merge(got["graphdef"], got["state"])
+    kernel = model.decoder.layers[0].attn.qkv.kernel.get_value()
+    assert "tensor" in str(kernel.sharding.spec)  # split, and kept split by the optimizer
