@@ -30,6 +30,11 @@ the loss with respect to both and step the metas with `jax_ls2.fp8.apply_meta_up
     grads = jax.grad(loss)(variables, batch)   # variables: {"params": ..., "FP8Meta": ...}
     param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
 
+Megatron tensor and sequence parallelism (``tensor_axis="tensor"``, ``sequence_parallel``,
+`LayerConfig` fields) work here too: the params come boxed with their partition specs
+(``flax.linen.get_partition_spec(variables)``); call ``init`` and ``apply`` under
+``jax.set_mesh(mesh)``.
+
 The building blocks have Linen front ends too: `LayerNorm`, `Embedding` and
 `MultiHeadAttention`, with the arguments of the NNX module of the same name (plus
 ``name``) and its parameter tree::
