@@ -3,6 +3,7 @@ their plain-Flax twins, tokens/s at batch 1 and 32.
 
     python -m bench.bench_decode --out bench/results              # LLaMA 1b and GPT-2 small (GPU)
     python -m bench.bench_decode --out /tmp/b --smoke             # tiny presets, any backend
+    python -m bench.bench_decode --out /tmp/b --models llama-1b --batches 1 --impls ls2   # a part
 
 Both forms run in bf16 (params and compute), greedy, from the same random weights: a
 ``--prompt``-token prefill and ``--new`` generated tokens in one compiled program
@@ -30,6 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (family, preset)
 MODELS = {"llama-1b": ("llama", "1b"), "gpt2-small": ("gpt", "small")}
 BATCHES = (1, 32)
+# --prompt, --new, --reps when not given: (standard run, --smoke).
+DEFAULTS = {"prompt": (128, 8), "new": (64, 4), "reps": (50, 3)}
 FIELDS = ["model", "shape", "dtype", "impl", "backend", "batch", "step_ms_median", "step_ms_p20", "step_ms_p80",
           "tokens_per_s", "speedup", "prefill_ms", "generate_ms", "peak_mem_gb", "gpu", "jax_version", "git_commit",
           "date"]
@@ -98,14 +101,20 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="directory for the CSV")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(MODELS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
-    p.add_argument("--new", type=int, default=64, help="generated tokens, >= 2")
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--prompt", type=int, help="prompt tokens (prefill); default 128 (--smoke: 8)")
+    p.add_argument("--new", type=int, help="generated tokens, >= 2; default 64 (--smoke: 4)")
+    p.add_argument("--reps", type=int, help=">= 50 unless --smoke; default 50 (--smoke: 3)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="tiny presets (checks the script)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny presets, a short prompt and generation, few reps (checks the script)")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--one", nargs=3, metavar=("MODEL", "IMPL", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for name, (standard, smoke) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else standard)
+    if args.prompt < 1:
+        p.error(f"--prompt must be >= 1, got {args.prompt}")
     if args.new < 2:
         p.error(f"--new must be >= 2, got {args.new}")
     if args.reps < 50 and not args.smoke:

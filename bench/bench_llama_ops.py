@@ -1,6 +1,16 @@
 """The LLaMA-family ops (rms_norm, rotary, gated_act_dropout) against their XLA
-references at hidden 4096: forward, backward and both. Writes llama_ops.csv under --out."""
+references at hidden 4096: forward, backward and both. Writes llama_ops.csv under --out.
+
+    python -m bench.bench_llama_ops --out bench/results/latest          # GPU
+    python -m bench.bench_llama_ops --out /tmp/b --smoke --reps 3       # tiny shapes, any backend
+
+Besides --smoke, the options of every op benchmark (`bench.common.op_bench_main`).
+"""
 from __future__ import annotations
+
+import argparse
+import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +25,9 @@ ROTARY_SHAPES = [(4, 2048, 32, 8, 128), (2, 4096, 32, 32, 128)]
 # (tokens, ffn): LLaMA-3 8B's and LLaMA-2 7B's MLPs at hidden 4096; gated_act_dropout with
 # SwiGLU, rows "swiglu" without dropout and "swiglu_dropout" at rate 0.1.
 GATED_SHAPES = [(8192, 14336), (8192, 11008)]
+# --smoke: one small shape of each kind (norm, rotary, gated), grouped-query rotary, and
+# one input copy a timed program (the full run sizes its copies with `copies_for`).
+SMOKE = dict(shapes=([(64, 128)], [(2, 16, 4, 2, 32)], [(64, 96)]), copies=1)
 KEY = jax.random.key(0)
 
 
@@ -49,7 +62,9 @@ def _timed_passes(rows, op, shape, dtype, reps, sets, ours, xla, fwd_gb, bwd_gb,
     compare(rows, op, shape, dtype, "fwd", fwd_gb, lambda *a: ours(*a[:-1]), lambda *a: xla(*a[:-1]), sets, reps)
 
     def pulls(f):
-        return [(jax.vjp(lambda *d: f(*d, *s[n_diff:-1]), *s[:n_diff])[1], s[-1]) for s in sets]
+        # One compiled forward a shape; its pullbacks (pytrees of residuals) are the inputs.
+        make = jax.jit(lambda d, rest: jax.vjp(lambda *x: f(*x, *rest), *d)[1])
+        return [(make(s[:n_diff], s[n_diff:-1]), s[-1]) for s in sets]
 
     apply = lambda pull, ct: pull(ct)
     compare(rows, op, shape, dtype, "bwd", bwd_gb, apply, apply, pulls(ours), reps, xla_sets=pulls(xla))
@@ -63,14 +78,15 @@ def _timed_passes(rows, op, shape, dtype, reps, sets, ours, xla, fwd_gb, bwd_gb,
     compare(rows, op, shape, dtype, "fwd+bwd", fwd_gb + bwd_gb, both(ours), both(xla), sets, reps)
 
 
-def run(rows: Rows, dtypes, reps: int):
+def run(rows: Rows, dtypes, reps: int, shapes=(NORM_SHAPES, ROTARY_SHAPES, GATED_SHAPES), copies=None):
+    norm_shapes, rotary_shapes, gated_shapes = shapes
     for dtype in dtypes:
         e = jnp.dtype(dtype).itemsize
-        for shape in NORM_SHAPES:
+        for shape in norm_shapes:
             n, h = shape
             act = n * h * e
             sets = []
-            for kk in jax.random.split(KEY, copies_for(3 * act)):
+            for kk in jax.random.split(KEY, copies or copies_for(3 * act)):
                 k1, k2, k3 = jax.random.split(kk, 3)
                 sets.append((jax.random.normal(k1, shape, dtype), (1 + 0.1 * jax.random.normal(k2, (h,))).astype(dtype),
                              jax.random.normal(k3, shape, dtype)))
@@ -82,12 +98,12 @@ def run(rows: Rows, dtypes, reps: int):
             compare(rows, "add_rms_norm", shape, dtype, "fwd", (4 * act + 4 * n) / 1e9,
                     lambda x, g, r: rms_norm(x, g, residual=r), lambda x, g, r: (xla_rms_norm(x + r, g), x + r),
                     sets, reps)
-        for shape in ROTARY_SHAPES:
+        for shape in rotary_shapes:
             b, s, h, kvh, d = shape
             inv = jnp.asarray(rotary_frequencies(d, theta=500000.0))
             qk = b * s * (h + kvh) * d * e
             sets = []
-            for kk in jax.random.split(KEY, copies_for(4 * qk)):
+            for kk in jax.random.split(KEY, copies or copies_for(4 * qk)):
                 k1, k2, k3, k4 = jax.random.split(kk, 4)
                 q, k = jax.random.normal(k1, (b, s, h, d), dtype), jax.random.normal(k2, (b, s, kvh, d), dtype)
                 pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -98,11 +114,11 @@ def run(rows: Rows, dtypes, reps: int):
                           lambda q, k, pos: rotary(q, k, pos, theta=500000.0),
                           lambda q, k, pos: xla_rotary(q, k, pos, inv), gb, gb, 2)
         for rate in (0.0, 0.1):
-            for shape in GATED_SHAPES:
+            for shape in gated_shapes:
                 n, f = shape
                 out = n * f * e
                 sets = []
-                for kk in jax.random.split(KEY, copies_for(8 * out)):
+                for kk in jax.random.split(KEY, copies or copies_for(8 * out)):
                     k1, k2 = jax.random.split(kk)
                     sets.append((jax.random.normal(k1, (n, 2 * f), dtype), jax.random.normal(k2, (n, f), dtype)))
                 # Forward reads x (2 ffn a row), writes y (ffn); backward reads x and dy,
@@ -113,7 +129,12 @@ def run(rows: Rows, dtypes, reps: int):
 
 
 def main():
-    op_bench_main("llama_ops.csv", run, default_dtypes="bfloat16")
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--smoke", action="store_true")
+    args, rest = p.parse_known_args()
+    sys.argv[1:] = rest  # the other options are op_bench_main's
+    op_bench_main("llama_ops.csv", functools.partial(run, **SMOKE) if args.smoke else run,
+                  default_dtypes="bfloat16")
 
 
 if __name__ == "__main__":

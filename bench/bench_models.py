@@ -4,6 +4,7 @@
     python -m bench.bench_models --out /tmp/b --quick           # smaller shapes
     python -m bench.bench_models --out /tmp/b --smoke           # tiny presets, any backend
     python -m bench.bench_models --out /tmp/b --impls ls2 ls2-fp8   # FP8 against bf16 jax_ls2
+    python -m bench.bench_models --out /tmp/b --models llama-1b --batch 24   # another batch
 
 Both forms run with their best settings: bf16 compute with fp32 params, cuDNN attention
 where it applies (no attention dropout, sequence lengths multiples of 64), jax_ls2 fused
@@ -12,10 +13,14 @@ fresh subprocess so peak-memory figures do not mix. Timing: warm-up steps, then 
 of 5 steps enqueued back to back and timed to ``block_until_ready`` of the last; median,
 p20, p80 over the groups of ``--steps`` (>= 20) steps, per step. ``ls2-fp8`` runs the
 jax_ls2 model with its Transformer layers' weight GEMMs in FP8 (``DelayedScaling()``);
-its rows also carry ``speedup_vs_ls2``, over the bf16 jax_ls2 run.
+its rows also carry ``speedup_vs_ls2``, over the bf16 jax_ls2 run; the LLaMA family has no
+FP8 layers, so ``ls2-fp8`` with a llama model is refused before anything runs.
 MFU is against 790 TFLOP/s (H200 dense bf16) with analytic FLOPs (6 x matmul params x
 tokens, plus attention: 12 x layers x hidden x keys per query token, half under causal
-masks). Writes ``models_<date>.csv`` (and a PNG when matplotlib is present) to --out.
+masks; for LLaMA, "hidden" in the attention term is heads x head_dim, and the matmul params
+are the q/k/v/output projections with grouped-query k/v, the three SwiGLU matrices and
+the output head). A run that does not fit in device memory is reported as such.
+Writes ``models_<date>.csv`` (and a PNG when matplotlib is present) to --out.
 """
 from __future__ import annotations
 
@@ -45,12 +50,21 @@ MODELS = {
     "bert-base-128": ("bert", "base", 256, 128, 0.1),
     "transformer-base": ("transformer", "base", 64, 128, 0.1),
     "vit-b16": ("vit", "b16", 128, 0, 0.0),
+    "llama-1b": ("llama", "1b", 16, 2048, 0.0),
+    "llama-small": ("llama", "tiny", 8, 1024, 0.0),
 }
+# Architectures that are no preset: the named preset with these fields replaced (not
+# under --smoke, which runs the tiny preset). llama-small is a LLaMA at GPT-2 small's
+# size (125M parameters).
+SIZES = {"llama-small": {"vocab_size": 32000, "hidden_size": 768, "num_layers": 12, "num_heads": 12,
+                         "num_kv_heads": 4, "ffn_size": 2048, "max_len": 1024}}
 DEFAULT = ["gpt2-small", "bert-base-512", "bert-base-128", "transformer-base", "vit-b16", "bert-base-512-attn0",
            "bert-base-512-mlm80"]
 QUICK = {"gpt2-small": (4, 512), "gpt2-medium": (2, 512), "bert-base-512": (8, 512), "bert-base-512-attn0": (8, 512),
          "bert-base-512-mlm80": (8, 512),
-         "bert-base-128": (64, 128), "transformer-base": (16, 128), "vit-b16": (32, 0)}
+         "bert-base-128": (64, 128), "transformer-base": (16, 128), "vit-b16": (32, 0),
+         "llama-1b": (4, 1024), "llama-small": (4, 512)}
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory")  # in a failed run's stderr
 
 
 def train_flops(cfg, batch, seq):
@@ -67,25 +81,52 @@ def train_flops(cfg, batch, seq):
         dec = n_layers * (layer + 4 * h * h) * seq + h * v * seq
         dec_attn = n_layers * (h * seq * seq + 2 * h * seq * seq)
         return 3 * 2 * batch * (enc + dec + dec_attn)
-    causal = cfg.family == "gpt"
-    attn = n_layers * 2 * h * seq * seq * (0.5 if causal else 1.0)
+    causal = cfg.family in ("gpt", "llama")
+    width = h  # of the attention's queries (heads x head_dim)
+    if cfg.family == "llama":
+        head_dim = cfg.head_dim or h // cfg.num_heads
+        width, kv = cfg.num_heads * head_dim, (cfg.num_kv_heads or cfg.num_heads) * head_dim
+        layer = h * (width + 2 * kv) + width * h + 3 * h * f
+    attn = n_layers * 2 * width * seq * seq * (0.5 if causal else 1.0)
     head_tokens = min(cfg.mlm_max_predictions, seq) if cfg.mlm_max_predictions else seq  # bert's MLM head
     return 3 * 2 * batch * (n_layers * layer * seq + h * v * head_tokens + attn)
 
 
-def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP):
+def batch_shape(name, quick, smoke, batch=None):
+    """(batch, seq) of a model's run: its entry's, --quick's or --smoke's; `batch` (--batch)
+    replaces the batch. seq 0: images."""
+    family, _, size, seq, *_ = MODELS[name]
+    if quick:
+        size, seq = QUICK[name]
+    if smoke:
+        size, seq = 4, (0 if family == "vit" else 64)
+    return batch or size, seq
+
+
+def check_fp8(names, impls):
+    """A message naming the models ``ls2-fp8`` cannot run (the LLaMA family has no FP8
+    layers), or None."""
+    llama = [n for n in names if MODELS[n][0] == "llama"]
+    if "ls2-fp8" in impls and llama:
+        return (f"--impls ls2-fp8: {', '.join(llama)} cannot run in FP8 (the LLaMA family's decoder layers "
+                "have no FP8 GEMMs); run them with --impls plain ls2")
+    return None
+
+
+def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import flax_models as fm
     from flax_models import data, training
-    family, preset, batch, seq, dropout, *extra = MODELS[name]
+    family, preset, _, _, dropout, *extra = MODELS[name]
     overrides = extra[0] if extra else {}
-    if quick:
-        batch, seq = QUICK[name]
+    batch, seq = batch_shape(name, quick, smoke, batch)
     if smoke:
-        preset, batch, seq = "tiny", 4, (0 if family == "vit" else 64)
+        preset = "tiny"
+    else:
+        overrides = {**SIZES.get(name, {}), **overrides}
     cfg = fm.get_config(family, preset, **{
         "hidden_dropout": dropout, "attn_dropout": dropout,
         "activation_dropout": 0.0 if family in ("bert", "gpt", "vit") else dropout, **overrides})
@@ -254,15 +295,23 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=GROUP, help="steps enqueued between waits")
     p.add_argument("--quick", action="store_true", help="smaller batches")
     p.add_argument("--smoke", action="store_true", help="tiny presets (checks the script)")
+    p.add_argument("--batch", type=int, help="every model's batch size (default: its entry's)")
     p.add_argument("--impls", nargs="+", default=["plain", "ls2"], choices=IMPLS,
-                   help="ls2-fp8: jax_ls2 with the layers' weight GEMMs in FP8 (DelayedScaling())")
+                   help="ls2-fp8: jax_ls2 with the layers' weight GEMMs in FP8 (DelayedScaling()); "
+                        "not for the llama models")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 20 and not args.smoke:
         p.error("--steps must be >= 20")
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
+    names, impls = ([args.one[0]], [args.one[1]]) if args.one else (args.models, args.impls)
+    fp8_error = check_fp8(names, impls)
+    if fp8_error:
+        p.error(fp8_error)
     if args.one:
         from bench.common import backend
-        result = run_one(*args.one, args.steps, args.warmup, args.quick, args.smoke, args.group)
+        result = run_one(*args.one, args.steps, args.warmup, args.quick, args.smoke, args.group, args.batch)
         result["backend"] = backend()  # what jax_ls2's ops ran in this process
         print("RESULT " + json.dumps(result), flush=True)
         return
@@ -274,6 +323,7 @@ def main(argv=None):
             cmd = [sys.executable, "-m", "bench.bench_models", "--out", args.out, "--one", name,
                    impl, "--steps", str(args.steps), "--warmup", str(args.warmup), "--group", str(args.group)]
             cmd += ["--quick"] * args.quick + ["--smoke"] * args.smoke
+            cmd += ["--batch", str(args.batch)] if args.batch else []
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if os.environ.get("JAX_LS2_PROFILE_TOP") or os.environ.get("JAX_LS2_PROFILE_HLO"):
@@ -281,7 +331,10 @@ def main(argv=None):
                     l for l in proc.stderr.splitlines()
                     if l.startswith(("device time", "  ", "by kind", "kernels per step", "(no kind"))))
             if proc.returncode or not got:
-                print(f"{name}/{impl} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                batch, seq = batch_shape(name, args.quick, args.smoke, args.batch)
+                oom = any(m in proc.stderr for m in OOM_MARKERS)
+                why = f" (out of device memory at batch {batch} x {seq or 'images'})" if oom else ""
+                print(f"{name}/{impl} FAILED{why}:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
             r = json.loads(got[-1][7:])
             r.update(git_commit=commit, date=date)

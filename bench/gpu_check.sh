@@ -5,8 +5,8 @@
 #   python -m bench.report append $OUT --run <gpu>-<date>
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS, NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
-# limits (OPTIM_TIMEOUT for bench_optim) in seconds.
+# MODELS_ARGS (e.g. "--models llama-small llama-1b"), DECODE_ARGS (bench_decode, e.g. "--models llama-1b"), NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
+# limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode) in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -89,11 +89,14 @@ for step in $STEPS; do
         case $name in
           bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy|bench_llama_ops) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
           bench_optim) args="--parts ${OPTIM_PARTS:-update}" ;;
+          bench_decode) args="${DECODE_ARGS:-}" ;;
           *) args="" ;;
         esac
         t0=$(date +%s)
         limit=${BENCH_TIMEOUT:-300}
         [ "$name" = bench_optim ] && limit=${OPTIM_TIMEOUT:-$limit}
+        # 8 fresh processes (2 models x batches 1 and 32 x 2 impls), each compiling its generation
+        [ "$name" = bench_decode ] && limit=${DECODE_TIMEOUT:-540}
         if timeout $limit $PY -m bench.$name --out "$OUT" $args >"$OUT/$name.log" 2>&1; then
           summary+=("$name: ok ($(( $(date +%s) - t0 )) s)")
         else

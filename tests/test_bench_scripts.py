@@ -46,3 +46,75 @@ def test_bench_fp8_dot_smoke(tmp_path):
     rows = _rows(tmp_path / "bench_fp8_dot.csv")
     assert {(r["impl"], r["pass"]) for r in rows} == {(i, p) for i in ("bf16", "flax-fp8", "ls2-fp8")
                                                        for p in ("fwd", "fwd+bwd")}
+
+
+@pytest.mark.slow
+def test_bench_models_llama_smoke_counts_llama_flops(tmp_path):
+    import flax_models as fm
+    from bench.bench_models import PEAK_FLOPS, train_flops
+    _run(tmp_path, "bench.bench_models", "--smoke", "--steps", "2", "--group", "1", "--warmup", "1", "--models",
+         "llama-1b", "--impls", "ls2")
+    [path] = [p for p in os.listdir(tmp_path) if p.endswith(".csv")]
+    [row] = _rows(tmp_path / path)
+    assert (row["model"], row["impl"], row["shape"].split()[0]) == ("llama-1b", "ls2", "4x64")
+    flops = float(row["mfu"]) * PEAK_FLOPS * float(row["ms_median"]) * 1e-3
+    assert flops == pytest.approx(train_flops(fm.get_config("llama", "tiny"), 4, 64), rel=1e-6)
+    assert float(row["tokens_per_s"]) > 0 and 0 < float(row["loss"]) < 100
+
+
+def test_bench_models_refuses_fp8_for_llama_before_running(tmp_path, capsys):
+    from bench.bench_models import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path), "--models", "gpt2-small", "llama-small", "--impls", "ls2", "ls2-fp8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--impls ls2-fp8: llama-small cannot run in FP8" in err, err
+    assert "gpt2-small" not in err.splitlines()[-1] and not os.listdir(tmp_path)
+
+
+def _gemm_weights(cfg, head_is_token_table):
+    """Weights of the GEMMs of cfg's model, from its parameter tree: every 2-D parameter
+    but the embedding tables, and the token table where it is the output head."""
+    import jax
+    from flax import nnx
+
+    import flax_models as fm
+    model = nnx.eval_shape(lambda: fm.build(cfg, impl="plain"))
+    total = 0
+    for path, leaf in jax.tree.leaves_with_path(nnx.state(model, nnx.Param)):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 2 and ("embed" not in name or (head_is_token_table and "tokens" in name)):
+            total += leaf.size
+    return total
+
+
+def test_train_flops_llama_counts_gqa_swiglu_untied_head_and_causal_attention():
+    import flax_models as fm
+    from bench.bench_models import train_flops
+    batch, seq = 3, 40
+    # Queries 4 heads x 24 = 96 wide over a hidden size of 64, k/v of 2 heads: GPT at
+    # hidden 96 has the same causal attention (GPT's head is its token table).
+    llama = fm.get_config("llama", "tiny", head_dim=24, num_kv_heads=2)
+    gpt = fm.get_config("gpt", "tiny", hidden_size=96)
+    attention = [train_flops(cfg, batch, seq) - 6 * batch * seq * _gemm_weights(cfg, tied)
+                 for cfg, tied in ((llama, False), (gpt, True))]
+    assert attention[0] > 0 and attention[0] == pytest.approx(attention[1], rel=1e-12)
+
+
+def test_bench_decode_smoke(tmp_path):
+    _run(tmp_path, "bench.bench_decode", "--smoke", "--models", "llama-1b", "--batches", "2", "--impls", "ls2")
+    [path] = [p for p in os.listdir(tmp_path) if p.endswith(".csv")]
+    [row] = _rows(tmp_path / path)
+    assert (row["model"], row["impl"], row["batch"], row["shape"]) == ("llama-1b", "ls2", "2",
+                                                                        "batch 2, prompt 8, new 4")
+    assert float(row["tokens_per_s"]) == pytest.approx(2e3 / float(row["step_ms_median"]), rel=1e-6)
+    assert float(row["prefill_ms"]) > 0 and float(row["generate_ms"]) > 0 and row["backend"]
+
+
+def test_bench_llama_ops_smoke(tmp_path):
+    _run(tmp_path, "bench.bench_llama_ops", "--smoke", "--reps", "3")
+    rows = _rows(tmp_path / "llama_ops.csv")
+    passes = ("fwd", "bwd", "fwd+bwd")
+    expected = {(op, p) for op in ("rms_norm", "rotary", "swiglu", "swiglu_dropout") for p in passes}
+    expected.add(("add_rms_norm", "fwd"))
+    assert {(r["op"], r["pass"], r["impl"]) for r in rows} == {(*k, i) for k in expected for i in ("xla", "jax_ls2")}
+    assert len(rows) == 2 * len(expected) and all(float(r["ms_median"]) > 0 and float(r["gbytes"]) > 0 for r in rows)
