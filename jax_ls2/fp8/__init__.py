@@ -53,21 +53,70 @@ puts every weight GEMM through FP8, one `FP8DotMeta` per weight (q, k and v shar
 pre-LN LayerNorms fused into the q|k|v and fc1 GEMMs, the FFN as one `fp8_mlp` where
 no activation dropout is active, `fp8_dot` elsewhere.
 
+Weight caching across micro-batches
+-----------------------------------
+Under gradient accumulation with one jitted call per micro-batch (``optax.MultiSteps``,
+or a loop calling a jitted micro-step), every call would cast (and transpose) every
+weight to FP8 again, though weights and scales only change once per optimizer step.
+(Inside one jit over all micro-batches XLA already casts each weight once.)
+``fp8.cache_weights(model, is_first_microbatch)`` (Transformer Engine's flag) makes the
+first micro-batch of each optimizer step cast the weights and keep the FP8 copies (the
+weight and its transpose, and its amax) in `FP8WeightCache` variables (neither
+``nnx.Param`` nor `FP8Meta`: no optimizer or gradient sees them), and the later ones
+read them; the results are bit-identical, the meta updates still carry the weights'
+amaxes. With ``optax.MultiSteps`` the flag is the only change::
+
+    @nnx.jit(static_argnames="first")
+    def micro_step(model, optimizer, pending, x, y, first):
+        fp8.cache_weights(model, first)              # True: cast and keep; False: reuse
+        grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta)))(model, x, y)
+        ...                                          # as above, with nnx.as_pure(optimizer.opt_state)
+        return pending
+    for i, (x, y) in enumerate(batches):
+        pending = micro_step(model, optimizer, pending, x, y, first=i % k == 0)
+
+(``optim.accumulate`` loops alike; in a functional loop that merges the model inside
+``jax.jit``, return ``nnx.state(model, fp8.FP8WeightCache)`` from the fill step.)
+
+Reusing a cache never filled, or filled for another recipe or weight shape, raises
+ValueError; ``cache_weights(model, None)`` turns caching off and empties the caches.
+
+FP32 weight-gradient accumulation fusion
+----------------------------------------
+``fp8.accumulate_grads(loss, fuse_wgrad_accumulation=True)`` (`jax_ls2.fp8.accumulate`)
+is one micro-batch of accumulation into float32 sums (`GradAccumulator`, from
+`init_grad_accumulator`) with the meta updates max-merged. Differentiating with
+respect to float32 copies of the parameters (same numbers, same FP8 casts), every FP8
+weight-gradient GEMM writes float32 and its add into the sum follows it in the same
+program, for XLA's GPU gemm rewriter to fold into the cuBLASLt call (C = the sum,
+beta = 1; a ``gpu`` test in tests/test_fp8_cache.py checks it): no separate pass over
+the accumulator, and no rounding of the micro-batch gradients to bfloat16::
+
+    step = jax.jit(fp8.accumulate_grads(loss), donate_argnums=0)
+    acc = fp8.init_grad_accumulator(variables)
+    for x, y in micro_batches:
+        value, acc = step(acc, variables, x, y)
+    grads = fp8.join_meta(jax.tree.map(lambda g: g / len(micro_batches), acc.grads), acc.meta)
+    param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
+
 Rules that follow: one meta per GEMM call site (a meta used by two calls in one
 differentiated function gets the sum of their observations from autodiff, which
 overstates the amax); under ``jax.vmap`` with a shared meta the amax is taken over the
 whole mapped batch; under ``shard_map`` pass the mesh axes as ``amax_axes`` so that the
 amaxes are max-reduced (``recipe.reduce_amax``) and every replica keeps identical scales.
 """
+from jax_ls2.fp8.accumulate import GradAccumulator, accumulate_grads, init_grad_accumulator
+from jax_ls2.fp8.cache import cache_weights
 from jax_ls2.fp8.dot import fp8_dot
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OUTPUT, INPUT, WEIGHT,
                                 DelayedScaling, fp8_max)
-from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, is_meta, join_meta, merge_meta_updates,
-                               split_meta, update_dot_meta, update_meta)
+from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies, is_meta, join_meta,
+                               merge_meta_updates, split_meta, update_dot_meta, update_meta)
 from jax_ls2.fp8.step import accumulate_meta_updates, apply_meta_updates, count_metas, meta_updates_like
 
-__all__ = ["accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
+__all__ = ["GradAccumulator", "accumulate_grads", "cache_weights", "init_grad_accumulator", "FP8WeightCache",
+           "WeightCopies", "accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
            "AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
            "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "fp8_mlp", "layernorm_fp8_dot", "is_meta", "join_meta", "merge_meta_updates", "split_meta",
            "update_dot_meta", "update_meta"]

@@ -9,7 +9,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import _varying_axes, match_varying
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
-from jax_ls2.fp8.state import DotMeta, FP8DotMeta, FP8Meta
+from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, DotMeta, FP8DotMeta, FP8Meta, WeightCopies
 
 OP = "fp8_dot"
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -44,7 +44,10 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=(), spl
     Forward: x and w are cast to E4M3 with ``meta.scale`` (saturating at 448) and
     multiplied as a 2-D FP8 ``dot_general`` accumulating in float32, scaled by the two
     scale_invs and written in ``dtype`` by the GEMM itself on CUDA (one cuBLASLt FP8
-    call, see `_scaled_dot`). Kept for the backward: the FP8 copies of x and w and the meta.
+    call, see `_scaled_dot`); the GEMM reads w's FP8 copy transposed, (N, K), the
+    K-major operand Hopper's FP8 GEMMs take. With an `FP8DotMeta` whose weight cache is
+    on (`jax_ls2.fp8.cache_weights`), w's FP8 copies and amax are kept ("fill") or read
+    instead of cast ("reuse"). Kept for the backward: the FP8 copies of x and w and the meta.
     Backward: the output gradient is cast to E5M2 (hybrid; E4M3 for "e4m3") with its
     delayed scale; dgrad and wgrad are FP8 ``dot_general``s. The gradient with respect
     to ``meta`` is the meta update: a `DotMeta` whose ``amax_history[:, 0]`` holds
@@ -55,7 +58,8 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling, *, dtype=None, amax_axes=(), spl
     """
     x, w, dm, dtype, axes = _prepare(OP, x, w, meta, recipe, dtype, amax_axes)
     splits = _check_splits(OP, splits, w)
-    ys = _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), splits, x, w, dm)
+    wc = _weight_copies(OP, w, meta, dm, recipe, axes)
+    ys = _fp8_dot(recipe, dtype, axes, jnp.dtype(x.dtype), jnp.dtype(w.dtype), splits, x, w, wc, dm)
     return ys if splits > 1 else ys[0]
 
 
@@ -163,14 +167,14 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
-def _split_gemms(aq, wq, splits, scale_inv, dtype, lead):
-    """aq (M, K) times each of wq's (K, N) ``splits`` column blocks: a tuple of
-    (*lead, N / splits) results in ``dtype``."""
-    n = wq.shape[1] // splits
+def _split_gemms(aq, wq_t, splits, scale_inv, dtype, lead):
+    """aq (M, K) times each of the ``splits`` column blocks of w, read from its transposed
+    FP8 copy wq_t (N, K): a tuple of (*lead, N / splits) results in ``dtype``."""
+    n = wq_t.shape[0] // splits
     # One operand per GEMM: XLA's dot merger would otherwise merge GEMMs sharing aq back
     # into one, whose result slices cost full activation copies.
     aqs = jax.lax.optimization_barrier((aq,) * splits) if splits > 1 else (aq,)
-    return tuple(_scaled_dot(a, wq[:, i * n:(i + 1) * n], ((1,), (0,)), scale_inv, dtype).reshape(*lead, n)
+    return tuple(_scaled_dot(a, wq_t[i * n:(i + 1) * n], ((1,), (1,)), scale_inv, dtype).reshape(*lead, n)
                  for i, a in enumerate(aqs))
 
 
@@ -218,9 +222,43 @@ def _reduced_amax(t, like_scale, axes):
     return _mesh_max(_amax(jax.lax.stop_gradient(t), jax.lax.stop_gradient(like_scale)), axes)
 
 
-def _weight(w, dm, recipe, axes):
-    """(w in the forward FP8 dtype with its delayed scale, its observed amax)."""
-    return _quantize(w, dm.scale[WEIGHT], recipe.forward_dtype), _reduced_amax(w, dm.scale, axes)
+def _weight_copies(op, w, meta, dm, recipe, axes) -> WeightCopies:
+    """The FP8 copies of w (K, N) that one call's GEMMs read, with w's observed amax:
+    cast now (and, where ``meta`` is an `FP8DotMeta` in "fill" mode, kept in its
+    weight cache), or read from that cache in "reuse" mode. Computed outside the GEMMs'
+    custom_vjp so that the three modes run the same GEMMs on the same numbers."""
+    mode = meta.weight_cache_mode if isinstance(meta, FP8DotMeta) else None
+    if mode == CACHE_REUSE:
+        return _cached_copies(op, w, meta, recipe)
+    w, scale = jax.lax.stop_gradient((w, dm.scale))
+    # The barrier makes the transpose read the FP8 copy: XLA would otherwise fuse a
+    # second cast of w into it.
+    wq = jax.lax.optimization_barrier(_quantize(w, scale[WEIGHT], recipe.forward_dtype))
+    copies = WeightCopies(wq, wq.T, _reduced_amax(w, scale, axes))
+    if mode == CACHE_FILL:
+        meta.weight_cache.set_value(copies)
+        meta.weight_cache.set_metadata(recipe=recipe)
+    return copies
+
+
+def _cached_copies(op, w, meta: FP8DotMeta, recipe) -> WeightCopies:
+    """The weight copies an `FP8DotMeta` in "reuse" mode holds, checked against this call."""
+    copies = meta.weight_cache.get_value()
+    if copies is None:
+        raise ValueError(f"{op}: the FP8 weight cache is to be reused but was never filled; run the first "
+                         f"micro-batch of each optimizer step with fp8.cache_weights(model, True) and the "
+                         f"later ones with fp8.cache_weights(model, False)")
+    filled_for = meta.weight_cache.get_metadata().get("recipe")
+    if filled_for != recipe:
+        raise ValueError(f"{op}: the FP8 weight cache was filled for recipe {filled_for}, this "
+                         f"call uses {recipe}; refill it (fp8.cache_weights(model, True)) with this recipe")
+    expected = (tuple(w.shape), tuple(w.shape[::-1]), (), recipe.forward_dtype)
+    got = (tuple(copies.wq.shape), tuple(copies.wq_t.shape), tuple(copies.amax.shape), jnp.dtype(copies.wq.dtype))
+    if got != expected:
+        raise ValueError(f"{op}: the FP8 weight cache holds copies of a weight of shape {got[0]} ({got[3]}), "
+                         f"this call's w has shape {tuple(w.shape)} (expected {expected[3]}); refill it "
+                         f"(fp8.cache_weights(model, True)) for this weight")
+    return copies
 
 
 def _backward_gemms(gq, gq_t, hq, hq_t, wq, dm, h_dtype, w_dtype):
@@ -248,18 +286,20 @@ def _first_order_only_jvp(primals, tangents):
                               f"pass quantizes to FP8, which has no useful derivative)")
 
 
+# w enters for its gradient only: the GEMMs read its FP8 copies ``wc`` (`WeightCopies`,
+# made by `_weight_copies`), whose cotangent is zero.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
-    return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm)[0]
+def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, wc, dm):
+    return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, wc, dm)[0]
 
 
-def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, dm):
-    x, w, dm = _first_order_only((x, w, dm))
+def _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, wc, dm):
+    x, w, wc, dm = _first_order_only((x, w, wc, dm))
     amax_x = _reduced_amax(x, dm.scale, axes)
     xq = _quantize(x, dm.scale[INPUT], recipe.forward_dtype)
-    wq, amax_w = _weight(w, dm, recipe, axes)
-    ys = _split_gemms(_rows(xq), wq, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype, x.shape[:-1])
-    return ys, (xq, wq, dm, amax_x, amax_w)
+    ys = _split_gemms(_rows(xq), wc.wq_t, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype,
+                      x.shape[:-1])
+    return ys, (xq, wc.wq, dm, amax_x, wc.amax)
 
 
 def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, splits, residuals, g):
@@ -270,7 +310,7 @@ def _fp8_dot_bwd(recipe, dtype, axes, x_dtype, w_dtype, splits, residuals, g):
     gq = _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype))
     dx, dw = _backward_gemms(gq, None, _rows(xq), None, wq, dm, x_dtype, w_dtype)
     d_meta = DotMeta.observation(jnp.stack([amax_x, amax_w, amax_g], axis=-1), dm)
-    return dx.reshape(xq.shape), dw, d_meta
+    return dx.reshape(xq.shape), dw, None, d_meta
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd, optimize_remat=True)

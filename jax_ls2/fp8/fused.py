@@ -29,7 +29,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import match_varying
 from jax_ls2.fp8.dot import (_backward_gemms, _check_splits, _first_order_only, _joined, _mesh_max, _prepare,
-                              _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight)
+                              _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight_copies)
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
 from jax_ls2.fp8.state import DotMeta
 
@@ -134,17 +134,19 @@ def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilo
     _check_ln(op, x, gamma, beta, epsilon)
     x, gamma, beta, w = match_varying(x, gamma, beta, w)
     splits = _check_splits(op, splits, w)
+    wc = _weight_copies(op, w, meta, dm, recipe, axes)
     ys, *rest = _ln_dot(recipe, dtype, axes, float(epsilon), jnp.dtype(w.dtype), bool(return_input), splits,
-                        x, gamma, beta, w, dm)
+                        x, gamma, beta, w, wc, dm)
     y = ys if splits > 1 else ys[0]
     return (y, *rest) if return_input else y
 
 
 # ``keep``: x is also returned (for the residual branch); static, so that without it no
 # zero cotangent of x reaches the LayerNorm backward kernel.
+# w's FP8 copies ``wc`` come from `_weight_copies`, as in `jax_ls2.fp8.dot._fp8_dot`.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm):
-    return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm)[0]
+def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, wc, dm):
+    return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, wc, dm)[0]
 
 
 def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
@@ -154,12 +156,12 @@ def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
     return hq, _observed(amax_h, dm.scale, axes), mean, rstd
 
 
-def _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, dm):
-    x, gamma, beta, w, dm = _first_order_only((x, gamma, beta, w, dm))
+def _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, wc, dm):
+    x, gamma, beta, w, wc, dm = _first_order_only((x, gamma, beta, w, wc, dm))
     hq, amax_h, mean, rstd = _ln_fp8(x, gamma, beta, dm, recipe, axes, eps)
-    wq, amax_w = _weight(w, dm, recipe, axes)
-    ys = _split_gemms(_rows(hq), wq, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype, x.shape[:-1])
-    return (ys, x) if keep else (ys,), (x, gamma, mean, rstd, hq, wq, dm, amax_h, amax_w)
+    ys = _split_gemms(_rows(hq), wc.wq_t, splits, dm.scale_inv[INPUT] * dm.scale_inv[WEIGHT], dtype,
+                      x.shape[:-1])
+    return (ys, x) if keep else (ys,), (x, gamma, mean, rstd, hq, wc.wq, dm, amax_h, wc.amax)
 
 
 def _ln_dot_bwd(recipe, dtype, axes, eps, w_dtype, keep, splits, res, cts):
@@ -170,7 +172,7 @@ def _ln_dot_bwd(recipe, dtype, axes, eps, w_dtype, keep, splits, res, cts):
     dh, dw = _backward_gemms(gq, gq_t, _rows(hq), None, wq, dm, x.dtype, w_dtype)
     dx, dgamma, dbeta = _ln_backward(dh.reshape(x.shape), dx_other, x, gamma, mean, rstd)
     d_meta = DotMeta.observation(jnp.stack([amax_h, amax_w, amax_g], axis=-1), dm)
-    return dx, dgamma, dbeta, dw, d_meta
+    return dx, dgamma, dbeta, dw, None, d_meta
 
 
 _ln_dot.defvjp(_ln_dot_fwd, _ln_dot_bwd, optimize_remat=True)
@@ -223,39 +225,45 @@ def fp8_mlp(x, w1, b1, w2, meta1, meta2, recipe: DelayedScaling, *, activation: 
     if ln is None:
         if return_input:
             raise ValueError(f"{op}: return_input needs ln=(gamma, beta)")
-        return _mlp(recipe, dtype, axes, activation, None, jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), False,
-                    x, None, None, w1, b1, w2, dm1, dm2)[0]
-    gamma, beta = ln
-    _check_ln(op, x, gamma, beta, epsilon)
-    x, gamma, beta, w1, b1, w2 = match_varying(x, gamma, beta, w1, b1, w2)
-    out = _mlp(recipe, dtype, axes, activation, float(epsilon), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype),
-               bool(return_input), x, gamma, beta, w1, b1, w2, dm1, dm2)
+        gamma = beta = eps = None
+    else:
+        gamma, beta = ln
+        _check_ln(op, x, gamma, beta, epsilon)
+        x, gamma, beta, w1, b1, w2 = match_varying(x, gamma, beta, w1, b1, w2)
+        eps = float(epsilon)
+    wc1 = _weight_copies(op, w1, meta1, dm1, recipe, axes)
+    wc2 = _weight_copies(op, w2, meta2, dm2, recipe, axes)
+    out = _mlp(recipe, dtype, axes, activation, eps, jnp.dtype(w1.dtype), jnp.dtype(w2.dtype),
+               bool(return_input), x, gamma, beta, w1, b1, w2, wc1, wc2, dm1, dm2)
     return out if return_input else out[0]
 
 
+# The weights' FP8 copies ``wc1``, ``wc2`` come from `_weight_copies`, as in `_fp8_dot`.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _mlp(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, dm1, dm2):
+def _mlp(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, wc1, wc2, dm1, dm2):
     return _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2,
-                    dm1, dm2)[0]
+                    wc1, wc2, dm1, dm2)[0]
 
 
-def _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, dm1, dm2):
+def _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, wc1, wc2,
+             dm1, dm2):
     ops, _ = _ops()
-    x, gamma, beta, w1, b1, w2, dm1, dm2 = _first_order_only((x, gamma, beta, w1, b1, w2, dm1, dm2))
+    x, gamma, beta, w1, b1, w2, wc1, wc2, dm1, dm2 = _first_order_only((x, gamma, beta, w1, b1, w2, wc1, wc2,
+                                                                         dm1, dm2))
     if eps is None:
         hq, hq_t, amax_h = ops.cast_transpose(x, dm1.scale[INPUT], fp8_dtype=recipe.forward_dtype)
         amax_h, ln_res = _observed(amax_h, dm1.scale, axes), None
     else:
         hq, amax_h, mean, rstd = _ln_fp8(x, gamma, beta, dm1, recipe, axes, eps)
         hq_t, ln_res = None, (gamma, mean, rstd)
-    w1q, amax_w1 = _weight(w1, dm1, recipe, axes)
-    pre = _scaled_dot(_rows(hq), w1q, ((1,), (0,)), dm1.scale_inv[INPUT] * dm1.scale_inv[WEIGHT], dtype)
+    w1q, amax_w1 = wc1.wq, wc1.amax
+    pre = _scaled_dot(_rows(hq), wc1.wq_t, ((1,), (1,)), dm1.scale_inv[INPUT] * dm1.scale_inv[WEIGHT], dtype)
     pre = pre + b1.astype(dtype)
     aq, amax_a = ops.bias_gelu_fp8(pre, jnp.zeros(pre.shape[-1:], dtype), dm2.scale[INPUT],
                                    fp8_dtype=recipe.forward_dtype, activation=act)
     amax_a = _observed(amax_a, dm2.scale, axes)
-    w2q, amax_w2 = _weight(w2, dm2, recipe, axes)
-    y = _scaled_dot(aq, w2q, ((1,), (0,)), dm2.scale_inv[INPUT] * dm2.scale_inv[WEIGHT], dtype)
+    w2q, amax_w2 = wc2.wq, wc2.amax
+    y = _scaled_dot(aq, wc2.wq_t, ((1,), (1,)), dm2.scale_inv[INPUT] * dm2.scale_inv[WEIGHT], dtype)
     y = y.reshape(*x.shape[:-1], w2.shape[1])
     res = (x, ln_res, _rows(hq), hq_t, w1q, pre, aq, w2q, dm1, dm2, amax_h, amax_w1, amax_a, amax_w2, b1)
     return (y, x) if keep else (y,), res
@@ -280,7 +288,7 @@ def _mlp_bwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, res, cts):
         dx, dgamma, dbeta = _ln_backward(dh, dx_other, x, gamma, mean, rstd)
     d_meta1 = DotMeta.observation(jnp.stack([amax_h, amax_w1, amax_g1], axis=-1), dm1)
     d_meta2 = DotMeta.observation(jnp.stack([amax_a, amax_w2, amax_g2], axis=-1), dm2)
-    return dx, dgamma, dbeta, dw1, db1, dw2, d_meta1, d_meta2
+    return dx, dgamma, dbeta, dw1, db1, dw2, None, None, d_meta1, d_meta2
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd, optimize_remat=True)

@@ -58,9 +58,37 @@ class FP8Meta(nnx.Variable):
     ``nnx.DiffState(0, nnx.Any(nnx.Param, FP8Meta))`` to get its meta update."""
 
 
+class WeightCopies(NamedTuple):
+    """The FP8 copies of one GEMM's weight w (K, N) that every micro-batch of an
+    optimizer step reads: wq (K, N) and its transpose wq_t (N, K), both in the recipe's
+    forward dtype (E4M3) with the meta's weight scale; amax: () float32, max |w| (as
+    recorded in the meta update, max-reduced over the mesh axes where asked)."""
+
+    wq: jax.Array
+    wq_t: jax.Array
+    amax: jax.Array
+
+
+class FP8WeightCache(nnx.Variable):
+    """NNX variable holding a `WeightCopies` (or None before the first fill), with the
+    `DelayedScaling` it was filled for as its ``recipe`` metadata. Not an ``nnx.Param``
+    and not an `FP8Meta`: no optimizer and no gradient sees it. See
+    `jax_ls2.fp8.cache_weights`."""
+
+
+# FP8DotMeta.weight_cache_mode values: cast the weight and keep the copies, or read them.
+CACHE_FILL, CACHE_REUSE = "fill", "reuse"
+
+
 class FP8DotMeta(nnx.Module):
     """The FP8 meta of one GEMM inside an NNX model: ``self.meta`` is an `FP8Meta`
-    holding a `DotMeta` for ``recipe``; pass the module itself to `fp8_dot`."""
+    holding a `DotMeta` for ``recipe``; pass the module itself to `fp8_dot`.
+
+    With weight caching on (`jax_ls2.fp8.cache_weights`), ``weight_cache_mode`` is
+    ``"fill"`` or ``"reuse"`` and ``weight_cache`` an `FP8WeightCache` holding the
+    weight's FP8 copies; off (None) by default."""
+
+    weight_cache_mode = None
 
     def __init__(self, recipe: DelayedScaling):
         self.meta = FP8Meta(DotMeta.create(recipe))
