@@ -344,10 +344,10 @@ def main(argv=None):
         path = write_csv(rows, args.out, date, args.quick, args.smoke)
     png = chart(rows, path[:-4] + ".png") if rows else None
     print(f"{'model':<21}{'shape':<44}{'impl':<8}{'ms':>9}{'units/s':>12}{'MFU':>7}"
-          f"{'peak GB':>9}{'speedup':>9}")
+          f"{'peak GB':>9}{'mem x':>7}{'speedup':>9}")
     for r in rows:
         print(f"{r['model']:<21}{r['shape']:<44}{r['impl']:<8}{r['ms_median']:>9.2f}"
-              f"{r['tokens_per_s']:>12,.0f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>9.2f}"
+              f"{r['tokens_per_s']:>12,.0f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>9.2f}{r['peak_mem_vs_plain']:>7.2f}"
               f"{r['speedup']:>8.2f}x" + (f" ({r['speedup_vs_ls2']:.2f}x ls2)" if "speedup_vs_ls2" in r else ""))
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     if len(rows) < len(args.impls) * len(args.models):
@@ -355,16 +355,18 @@ def main(argv=None):
 
 
 def write_csv(rows, out, date, quick, smoke):
-    """Writes every row so far (with speedups over the plain twin); returns the path."""
+    """Writes every row so far (with speedups and peak-memory ratios over the plain twin);
+    returns the path."""
     for r in rows:
         base = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "plain"), None)
         r["speedup"] = base["ms_median"] / r["ms_median"] if base else float("nan")
+        r["peak_mem_vs_plain"] = r["peak_mem_gb"] / base["peak_mem_gb"] if base and base["peak_mem_gb"] else float("nan")
         bf16 = next((b for b in rows if b["model"] == r["model"] and b["impl"] == "ls2"), None)
         if r["impl"] == "ls2-fp8" and bf16:
             r["speedup_vs_ls2"] = bf16["ms_median"] / r["ms_median"]
     fields = ["model", "shape", "dtype", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
-              "unit", "mfu", "peak_mem_gb", "speedup", "speedup_vs_ls2", "optimizer", "loss", "group", "host_ms",
-              "gpu", "jax_version", "git_commit", "date"]
+              "unit", "mfu", "peak_mem_gb", "peak_mem_vs_plain", "speedup", "speedup_vs_ls2", "optimizer", "loss",
+              "group", "host_ms", "gpu", "jax_version", "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
                              f"{'_smoke' if smoke else ''}.csv")
     with open(path, "w", newline="") as f:

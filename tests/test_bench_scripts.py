@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,3 +119,15 @@ def test_bench_llama_ops_smoke(tmp_path):
     expected.add(("add_rms_norm", "fwd"))
     assert {(r["op"], r["pass"], r["impl"]) for r in rows} == {(*k, i) for k in expected for i in ("xla", "jax_ls2")}
     assert len(rows) == 2 * len(expected) and all(float(r["ms_median"]) > 0 and float(r["gbytes"]) > 0 for r in rows)
+
+
+def test_bench_models_csv_has_speedup_and_peak_memory_over_the_twin(tmp_path):
+    from bench.bench_models import write_csv
+    rng = np.random.default_rng()
+    ms, peak = rng.uniform(1, 50, 2), rng.uniform(1, 100, 2)
+    rows = [{"model": "llama-small", "impl": impl, "ms_median": m, "peak_mem_gb": g}
+            for impl, m, g in zip(("plain", "ls2"), ms, peak)]
+    [plain, ls2] = _rows(write_csv(rows, str(tmp_path), "2026-12-02T00:00:00Z", False, True))
+    assert float(plain["speedup"]) == float(plain["peak_mem_vs_plain"]) == 1.0
+    assert float(ls2["speedup"]) == pytest.approx(ms[0] / ms[1], rel=1e-12)
+    assert float(ls2["peak_mem_vs_plain"]) == pytest.approx(peak[1] / peak[0], rel=1e-12)
