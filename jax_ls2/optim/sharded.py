@@ -12,8 +12,9 @@ buffers one after another, sharded over the mesh axes that shard any parameter.
 cut (zero-padded) into ``size(zero_axis)`` equal pieces, the device at index ``d`` of the
 axis keeps the state of the pieces ``d`` of every leaf and updates only them, and the
 new pieces are all-gathered over the axis into whole params. Per-device optimizer bytes
-fall as ``1 / size(zero_axis)``; the one collective is that all-gather of the updated
-params (the gradients arrive already reduced over the data axis).
+fall as ``1 / size(zero_axis)``; the step's collectives are that all-gather of the
+updated params (the gradients arrive already reduced over the data axis) and a scalar
+all-reduce of the finite flag.
 
 The state's layout therefore depends on the mesh and the specs: a checkpoint of it
 restores onto the same mesh shape; `gather_state` turns it into the standard layout of
@@ -81,7 +82,6 @@ def _leaf_specs(param_specs, leaves: list, treedef) -> list:
     if param_specs is None or isinstance(param_specs, P):
         return [param_specs or P()] * len(leaves)
     specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
-    specs = [s for s in specs if not isinstance(s, jax.Array)]
     if len(specs) != len(leaves):
         raise ValueError(f"{_OP}: param_specs must give one PartitionSpec per params leaf ({len(leaves)}), got "
                          f"{len(specs)}")
