@@ -41,7 +41,7 @@ def test_forward_matches_plain_formula(shape):
 
     @jax.jit
     def both(x, g):
-        return [(rms_norm(x, g, eps=eps, unit_offset=uo), plain_rms_norm(x, g, eps=eps, unit_offset=uo))
+        return [(rms_norm(x, g, epsilon=eps, unit_offset=uo), plain_rms_norm(x, g, eps=eps, unit_offset=uo))
                 for eps, uo in ((1e-6, False), (1e-6, True), (1e-2, False))]
 
     for ours, plain in both(x, g):
@@ -194,8 +194,8 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="rms_norm: residual must have dtype float32"):
         rms_norm(x, g, residual=r.astype(jnp.bfloat16))
     for bad in (0.0, -1.0, True):
-        with pytest.raises(ValueError, match="rms_norm: eps must be a positive"):
-            rms_norm(x, g, eps=bad)
+        with pytest.raises(ValueError, match="rms_norm: epsilon must be a positive"):
+            rms_norm(x, g, epsilon=bad)
     for bad in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match="rms_norm: copies must be a Python int from 1 to 4"):
             rms_norm(x, g, copies=bad)

@@ -41,5 +41,5 @@ class RMSNorm(nnx.Module):
         x = x.astype(dtype)
         if residual is not None:
             residual = residual.astype(dtype)
-        return rms_norm(x, self.scale[...], eps=self.epsilon, residual=residual, copies=copies,
+        return rms_norm(x, self.scale[...], epsilon=self.epsilon, residual=residual, copies=copies,
                         return_input=return_input, unit_offset=self.unit_offset)

@@ -150,15 +150,15 @@ _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
-def rms_norm(x, gamma, *, eps: float = 1e-6, residual=None, copies: int = 1, return_input: bool = False,
+def rms_norm(x, gamma, *, epsilon: float = 1e-6, residual=None, copies: int = 1, return_input: bool = False,
              unit_offset: bool = False):
-    """RMSNorm over the last axis: ``s * rsqrt(mean(s**2) + eps) * w``.
+    """RMSNorm over the last axis: ``s * rsqrt(mean(s**2) + epsilon) * w``.
 
     Args:
       x: ``(..., hidden)`` float32, float16 or bfloat16; any hidden size >= 1.
       gamma: ``(hidden,)`` floating; cast to ``x.dtype`` (as Flax does with ``dtype=``),
         its gradient comes back in its own dtype.
-      eps: added to the mean square (LLaMA's 1e-6 by default; Mistral and Gemma use 1e-5
+      epsilon: added to the mean square (LLaMA's 1e-6 by default; Mistral and Gemma use 1e-5
         and 1e-6).
       residual: optional ``(..., hidden)`` in ``x.dtype``; then ``s = x + residual``
         (rounded to ``x.dtype``) is normalised instead of ``x``.
@@ -187,8 +187,8 @@ def rms_norm(x, gamma, *, eps: float = 1e-6, residual=None, copies: int = 1, ret
     _checks.check_shape(op, "gamma", gamma, (h,))
     if h == 0:
         raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{op}: eps must be a positive Python float, got {eps!r}")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
     for name, flag in (("return_input", return_input), ("unit_offset", unit_offset)):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a Python bool, got {type(flag).__name__}")
@@ -197,7 +197,7 @@ def rms_norm(x, gamma, *, eps: float = 1e-6, residual=None, copies: int = 1, ret
     gamma = gamma.astype(x.dtype)
     if residual is None:
         x, gamma = match_varying(x, gamma)
-        out = _rms_norm(x, gamma, float(eps), unit_offset, copies, return_input)
+        out = _rms_norm(x, gamma, float(epsilon), unit_offset, copies, return_input)
         return out[0] if len(out) == 1 else out
     if copies > 1:
         raise ValueError(f"{op}: copies applies without residual (with residual, the sum is returned)")
@@ -207,4 +207,4 @@ def rms_norm(x, gamma, *, eps: float = 1e-6, residual=None, copies: int = 1, ret
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
     x, residual, gamma = match_varying(x, residual, gamma)
-    return _add_rms_norm(x, residual, gamma, float(eps), unit_offset)
+    return _add_rms_norm(x, residual, gamma, float(epsilon), unit_offset)
