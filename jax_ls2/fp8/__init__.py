@@ -68,8 +68,8 @@ amaxes. With ``optax.MultiSteps`` the flag is the only change::
 
     @nnx.jit(static_argnames="first")
     def micro_step(model, optimizer, pending, x, y, first):
-        fp8.cache_weights(model, first)              # True: cast and keep; False: reuse
-        grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta)))(model, x, y)
+        with fp8.cache_weights(model, first):        # True: cast and keep; False: reuse
+            grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta)))(model, x, y)
         ...                                          # as above, with nnx.as_pure(optimizer.opt_state)
         return pending
     for i, (x, y) in enumerate(batches):
@@ -106,7 +106,7 @@ whole mapped batch; under ``shard_map`` pass the mesh axes as ``amax_axes`` so t
 amaxes are max-reduced (``recipe.reduce_amax``) and every replica keeps identical scales.
 """
 from jax_ls2.fp8.accumulate import GradAccumulator, accumulate_grads, init_grad_accumulator
-from jax_ls2.fp8.cache import cache_weights
+from jax_ls2.fp8.cache import WeightCaching, cache_weights
 from jax_ls2.fp8.dot import fp8_dot
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OUTPUT, INPUT, WEIGHT,
@@ -115,7 +115,7 @@ from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, Wei
                                merge_meta_updates, split_meta, update_dot_meta, update_meta)
 from jax_ls2.fp8.step import accumulate_meta_updates, apply_meta_updates, count_metas, meta_updates_like
 
-__all__ = ["GradAccumulator", "accumulate_grads", "cache_weights", "init_grad_accumulator", "FP8WeightCache",
+__all__ = ["GradAccumulator", "WeightCaching", "accumulate_grads", "cache_weights", "init_grad_accumulator", "FP8WeightCache",
            "WeightCopies", "accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
            "AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
            "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "fp8_mlp", "layernorm_fp8_dot", "is_meta", "join_meta", "merge_meta_updates", "split_meta",

@@ -17,7 +17,23 @@ from flax import nnx
 from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, FP8DotMeta, FP8WeightCache
 
 
-def cache_weights(model, is_first_microbatch) -> int:
+class WeightCaching:
+    """What `cache_weights` returns: the `FP8DotMeta` modules it set (``metas``) and,
+    used as a context manager, their previous modes, put back on exit."""
+
+    def __init__(self, metas, previous):
+        self.metas, self._previous = metas, previous
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for meta, mode in zip(self.metas, self._previous):
+            meta.weight_cache_mode = mode
+        return False
+
+
+def cache_weights(model, is_first_microbatch) -> WeightCaching:
     """Sets how the FP8 GEMMs of ``model`` get their weights' FP8 copies.
 
     Args:
@@ -33,11 +49,17 @@ def cache_weights(model, is_first_microbatch) -> int:
         or was filled for another recipe or weight shape.
         None: caching off; each call casts its weight, and the caches are emptied.
 
-    Returns the number of `FP8DotMeta` modules set. Call it inside the jitted micro-step
-    (before the forward) so that a fill's copies are written back with the model's state.
-    The caches hold one FP8 byte per weight element twice (the weight and its
-    transpose); they are not parameters: keep them out of checkpoints
-    (``nnx.state(model, nnx.Not(FP8WeightCache))``).
+    Returns a `WeightCaching`; the modes are set at once. Used as a context manager
+    around the forward (and its gradient) inside the jitted micro-step::
+
+        with fp8.cache_weights(model, first):
+            grads = nnx.grad(loss, argnums=...)(model, x, y)
+
+    the previous modes come back on exit, so that the model leaves the step with the
+    graph structure it entered with and ``nnx.jit`` compiles one fill and one reuse
+    program, not one more per change of mode. The caches hold one FP8 byte per weight
+    element twice (the weight and its transpose); they are not parameters: keep them out
+    of checkpoints (``nnx.state(model, nnx.Not(fp8.FP8WeightCache))``).
     """
     if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
         raise TypeError(f"cache_weights: is_first_microbatch must be a Python bool or None (a static value; "
@@ -49,11 +71,11 @@ def cache_weights(model, is_first_microbatch) -> int:
     metas = [node for _, node in nnx.iter_graph(model) if isinstance(node, FP8DotMeta)]
     if not metas:
         raise ValueError("cache_weights: model holds no FP8DotMeta (no layer was built with fp8=DelayedScaling(...))")
+    previous = [meta.weight_cache_mode for meta in metas]
     for meta in metas:
         if mode is not None and not isinstance(getattr(meta, "weight_cache", None), FP8WeightCache):
             meta.weight_cache = FP8WeightCache(None, recipe=None)
         elif mode is None and hasattr(meta, "weight_cache"):
-            meta.weight_cache.set_value(None)
-            meta.weight_cache.set_metadata(recipe=None)
+            meta.weight_cache = FP8WeightCache(None, recipe=None)
         meta.weight_cache_mode = mode
-    return len(metas)
+    return WeightCaching(metas, previous)

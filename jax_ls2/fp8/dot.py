@@ -9,7 +9,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import _varying_axes, match_varying
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
-from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, DotMeta, FP8DotMeta, FP8Meta, WeightCopies
+from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies
 
 OP = "fp8_dot"
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -236,8 +236,9 @@ def _weight_copies(op, w, meta, dm, recipe, axes) -> WeightCopies:
     wq = jax.lax.optimization_barrier(_quantize(w, scale[WEIGHT], recipe.forward_dtype))
     copies = WeightCopies(wq, wq.T, _reduced_amax(w, scale, axes))
     if mode == CACHE_FILL:
-        meta.weight_cache.set_value(copies)
-        meta.weight_cache.set_metadata(recipe=recipe)
+        # A new variable, not set_metadata: nnx.jit carries a replaced variable out
+        # with its metadata, but not a metadata change of the one it was given.
+        meta.weight_cache = FP8WeightCache(copies, recipe=recipe)
     return copies
 
 
