@@ -208,6 +208,25 @@ def test_clipping_and_dynamic_loss_scale_use_all_shards(case):
     assert float(got_s.loss_scale) == 2.0 and float(want_s.grad_norm) > 10
 
 
+def test_bad_scheduled_rate_is_flagged_with_global_stats():
+    """With clipping on, finiteness is decided on all shards; the step's own check of a
+    traced learning rate must survive that: a NaN rate leaves the params and reads
+    finite=False, as unsharded."""
+    spec, param_specs, zero = CASES["data2-tensor4-zero"]
+    mesh = parallel.make_mesh(spec)
+    tx = optim.adamw(lambda count: jnp.where(count >= 1, jnp.nan, 1e-2), max_grad_norm=1.0)
+    stx = optim.shard_optimizer(tx, mesh, param_specs, zero_axis=zero)
+    step = jax.jit(lambda g, s, p: optim.apply_updates(stx, g, s, p))
+    p = _placed(_tree(0), mesh, param_specs)
+    s = stx.init(p)
+    for i in range(2):
+        before = jax.tree.map(np.asarray, p)
+        p, s = step(_placed(_tree(10 + i), mesh, param_specs), s, p)
+        assert bool(s.finite) == (i == 0)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(p[k]), before[k])
+
+
 def optax_adamw():
     import optax
     return optax.adamw(1e-3)

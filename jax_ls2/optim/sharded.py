@@ -277,7 +277,8 @@ class ShardedUpdate(FusedUpdate):
                 new = new._replace(mu=keep(st.mu, new.mu), nu=keep(st.nu, new.nu), master=keep(st.master, new.master),
                                    count=jnp.where(finite, new.count, st.count))
             scale, good = _next_scale(o, st, finite)
-            new = new._replace(grad_norm=norm, finite=finite, loss_scale=scale, good_steps=good)
+            # new.finite also holds the step's check of a traced learning rate / weight decay
+            new = new._replace(grad_norm=norm, finite=finite & new.finite, loss_scale=scale, good_steps=good)
             return _whole(plan, zero_axis, outs), new
 
         # One pass over all of a device's leaves makes every output vary as its most
