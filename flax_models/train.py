@@ -415,8 +415,10 @@ def _train(args, cfg, batch_size, seq, *, impl, params_from, label, metrics, mes
         if not np.isfinite(loss):
             raise FloatingPointError(f"train: loss is {loss} at step {step}")
         if not bool(training.to_host(aux.get("grads_finite", True))):
-            raise FloatingPointError(f"train: the gradients of step {step} hold inf/NaN (the update "
-                                     "was applied; use the optimizer's skip_nonfinite or loss_scale to skip)")
+            raise FloatingPointError(f"train: the optimizer flagged step {step}: its gradients hold inf/NaN "
+                                     "(the update was applied; the optimizer's skip_nonfinite or loss_scale "
+                                     "skips such steps), or its learning rate is not a finite number >= 0 "
+                                     "(the params were left as they were)")
         if writer:
             writer.write("step", step=done, loss=loss, step_ms=1e3 * times[-1],
                          rate=per_step / times[-1] if len(times) > 1 else None,
