@@ -17,6 +17,10 @@ from flax import nnx
 from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, FP8DotMeta, FP8WeightCache
 
 
+# A mode never set on the instance (the class attribute applies).
+_CLASS_DEFAULT = object()
+
+
 class WeightCaching:
     """What `cache_weights` returns: the `FP8DotMeta` modules it set (``metas``) and,
     used as a context manager, their previous modes, put back on exit."""
@@ -29,7 +33,10 @@ class WeightCaching:
 
     def __exit__(self, *exc):
         for meta, mode in zip(self.metas, self._previous):
-            meta.weight_cache_mode = mode
+            if mode is _CLASS_DEFAULT:
+                del meta.weight_cache_mode  # back to the class attribute: the graph as it was
+            else:
+                meta.weight_cache_mode = mode
         return False
 
 
@@ -71,7 +78,7 @@ def cache_weights(model, is_first_microbatch) -> WeightCaching:
     metas = [node for _, node in nnx.iter_graph(model) if isinstance(node, FP8DotMeta)]
     if not metas:
         raise ValueError("cache_weights: model holds no FP8DotMeta (no layer was built with fp8=DelayedScaling(...))")
-    previous = [meta.weight_cache_mode for meta in metas]
+    previous = [vars(meta).get("weight_cache_mode", _CLASS_DEFAULT) for meta in metas]
     for meta in metas:
         if mode is not None and not isinstance(getattr(meta, "weight_cache", None), FP8WeightCache):
             meta.weight_cache = FP8WeightCache(None, recipe=None)
