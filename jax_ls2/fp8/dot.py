@@ -256,9 +256,9 @@ def _cached_copies(op, w, meta: FP8DotMeta, recipe) -> WeightCopies:
     expected = (tuple(w.shape), tuple(w.shape[::-1]), (), recipe.forward_dtype)
     got = (tuple(copies.wq.shape), tuple(copies.wq_t.shape), tuple(copies.amax.shape), jnp.dtype(copies.wq.dtype))
     if got != expected:
-        raise ValueError(f"{op}: the FP8 weight cache holds copies of a weight of shape {got[0]} ({got[3]}), "
-                         f"this call's w has shape {tuple(w.shape)} (expected {expected[3]}); refill it "
-                         f"(fp8.cache_weights(model, True)) for this weight")
+        raise ValueError(f"{op}: the FP8 weight cache holds {got[3]} copies of a weight of shape {got[0]}, "
+                         f"this call's w has shape {tuple(w.shape)} and the recipe casts weights to "
+                         f"{expected[3]}; refill it (fp8.cache_weights(model, True)) for this weight")
     return copies
 
 

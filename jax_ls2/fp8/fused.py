@@ -12,7 +12,8 @@ the weight-gradient GEMM reads.
 Each is one ``custom_vjp`` with the meta semantics of `jax_ls2.fp8.fp8_dot`: one meta
 per GEMM, whose "gradient" is the meta update carrying this step's amaxes (input,
 weight, output gradient), one observation over a ``vmap``ped batch for a shared meta,
-max-reduced over ``amax_axes`` inside ``shard_map``. Every GEMM is `dot._scaled_dot`'s
+max-reduced over ``amax_axes`` inside ``shard_map``, and the same weight caching
+(`jax_ls2.fp8.cache_weights`) through its `FP8DotMeta`s. Every GEMM is `dot._scaled_dot`'s
 form (one cuBLASLt FP8 call writing the final dtype). Operands the GEMMs read
 K-major on Hopper are handed over that way where a fused kernel wrote them (the output
 gradients' transposed copies); the FP8 weights and the LayerNorm / GELU outputs are
