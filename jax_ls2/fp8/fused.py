@@ -16,8 +16,9 @@ max-reduced over ``amax_axes`` inside ``shard_map``, and the same weight caching
 (`jax_ls2.fp8.cache_weights`) through its `FP8DotMeta`s. Every GEMM is `dot._scaled_dot`'s
 form (one cuBLASLt FP8 call writing the final dtype). Operands the GEMMs read
 K-major on Hopper are handed over that way where a fused kernel wrote them (the output
-gradients' transposed copies); the FP8 weights and the LayerNorm / GELU outputs are
-transposed by XLA for the weight gradient (one-byte copies).
+gradients' transposed copies, and each FP8 weight's transposed copy for the forward);
+the LayerNorm / GELU outputs are transposed by XLA for the weight gradient (one-byte
+copies).
 """
 from __future__ import annotations
 
