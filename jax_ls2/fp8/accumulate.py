@@ -54,7 +54,10 @@ def accumulate_grads(fun, *, fuse_wgrad_accumulation: bool = True, has_aux: bool
         metas (`DotMeta` nodes or `FP8Meta` variables), as ``jax.grad`` would take it.
       fuse_wgrad_accumulation: True: differentiate with respect to float32 copies of
         the parameters, so that each FP8 weight-gradient GEMM writes float32 and its
-        add into the accumulator is folded into the GEMM on CUDA. False: differentiate
+        add into the accumulator is folded into the GEMM on CUDA. Every parameter is
+        copied, so a module computing in its parameters' dtype (``dtype=None``) would
+        compute in float32: give the layers their compute ``dtype`` (say bfloat16) to
+        keep the forward of bfloat16 parameters. False: differentiate
         with respect to the parameters as they are and add the gradients, cast to
         float32, afterwards (with bfloat16 weights a separate pass).
       has_aux: as for ``jax.value_and_grad``.
