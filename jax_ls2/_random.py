@@ -44,6 +44,11 @@ def seed_words(key: jax.Array) -> jax.Array:
     return jnp.concatenate([data[:2], jnp.zeros((1,), jnp.uint32)])
 
 
+def no_seed() -> jax.Array:
+    """The uint32[3] seed of an op that drops nothing (never read by the generator)."""
+    return jnp.zeros((3,), jnp.uint32)
+
+
 def mix32(x):
     """The 32-bit integer finaliser shared with the CUDA kernels (Mix32 in common.cuh)."""
     x = x ^ (x >> 16)
@@ -280,3 +285,25 @@ def kernel_operands(*arrays, strides, **static):
     by the uint32[4] `kernel_seed` (a `jax_ls2._dispatch.FusedKernel` ``ffi_operands``)."""
     *rest, seed, offsets = arrays
     return (*rest, kernel_seed(seed, offsets, strides))
+
+
+def apply_mask(v, seed, offsets, threshold: int, scale: float, strides):
+    """float32 ``v`` (the box at ``offsets`` of the array numbered by ``strides``) with its
+    keep mask applied and kept elements times ``scale``; threshold 0 returns ``v`` untouched."""
+    if threshold == 0:
+        return v
+    keep = keep_mask_at(seed, offsets, v.shape, strides, threshold)
+    return jnp.where(keep, v * np.float32(scale), np.float32(0))
+
+
+def dropping(static) -> bool:
+    """Whether a dropout kernel's static options drop anything (its ``threshold``)."""
+    return static["threshold"] != 0
+
+
+def kernel_options(attrs) -> dict:
+    """The `jax_ls2._dispatch.FusedKernel` options of a kernel whose last two arrays are
+    the seed and the offsets: ``attrs`` its attribute builder, the pair passed as
+    `kernel_operands`, and with dropout active the examples of a vmap run one by one,
+    so each draws the mask it would draw on its own."""
+    return dict(attrs=attrs, ffi_operands=kernel_operands, per_example=dropping)

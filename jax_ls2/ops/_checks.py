@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ls2 import _random
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -83,6 +85,19 @@ def check_rate(op: str, rate, key, deterministic) -> float:
     if key is not None:
         check_key(op, key)
     return float(rate)
+
+
+def check_dropout(op: str, rate, key, deterministic):
+    """Checks the dropout arguments (`check_rate`); returns ``(seed, threshold, scale)``:
+    the uint32[3] seed words of ``key``, the 16-bit drop threshold and the keep scale, or
+    ``(no_seed(), 0, 1.0)`` when nothing is dropped (deterministic, or a rate that rounds
+    to 0)."""
+    deterministic = check_deterministic(op, deterministic)
+    rate = check_rate(op, rate, key, deterministic)
+    threshold = 0 if deterministic else _random.dropout_threshold(rate)
+    if threshold == 0:
+        return _random.no_seed(), 0, 1.0
+    return _random.seed_words(key), threshold, _random.keep_scale(rate)
 
 
 def clamp_to_int32(x):

@@ -34,16 +34,13 @@ import numpy as np
 from jax_ls2 import _random
 from jax_ls2._dispatch import BCAST, BCAST_SUM, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
+from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
 F32 = jnp.float32
 # Partial dbias rows in the backward workspace (at most one per CUDA block).
 _MAX_PARTS = 264
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
-_SQRT_HALF = np.float32(0.7071067811865476)
-_INV_SQRT_2PI = np.float32(0.3989422804014327)
-_K_TANH = np.float32(0.7978845608028654)
-_C_TANH = np.float32(0.044715)
 
 
 # ---------------------------------------------------------------- reference math
@@ -51,8 +48,8 @@ def _act(v, activation):
     if activation == "relu":
         return jnp.maximum(v, np.float32(0))
     if activation == "gelu":
-        return np.float32(0.5) * v * (np.float32(1) + jax.lax.erf(v * _SQRT_HALF))
-    u = _K_TANH * (v + _C_TANH * v * v * v)
+        return np.float32(0.5) * v * (np.float32(1) + jax.lax.erf(v * SQRT_HALF))
+    u = K_TANH * (v + C_TANH * v * v * v)
     return np.float32(0.5) * v * (np.float32(1) + jnp.tanh(u))
 
 
@@ -60,20 +57,11 @@ def _act_grad(v, activation):
     if activation == "relu":
         return (v > 0).astype(v.dtype)
     if activation == "gelu":
-        cdf = np.float32(0.5) * (np.float32(1) + jax.lax.erf(v * _SQRT_HALF))
-        return cdf + v * (_INV_SQRT_2PI * jnp.exp(np.float32(-0.5) * v * v))
-    t = jnp.tanh(_K_TANH * (v + _C_TANH * v * v * v))
+        cdf = np.float32(0.5) * (np.float32(1) + jax.lax.erf(v * SQRT_HALF))
+        return cdf + v * (INV_SQRT_2PI * jnp.exp(np.float32(-0.5) * v * v))
+    t = jnp.tanh(K_TANH * (v + C_TANH * v * v * v))
     return (np.float32(0.5) * (np.float32(1) + t)
-            + np.float32(0.5) * v * (np.float32(1) - t * t) * _K_TANH * (np.float32(1) + np.float32(3) * _C_TANH * v * v))
-
-
-def _drop(v, seed, offsets, threshold, scale, strides):
-    """float32 ``v`` (the box at ``offsets`` of the array numbered by ``strides``) with
-    its mask applied; threshold 0 returns ``v`` untouched."""
-    if threshold == 0:
-        return v
-    keep = _random.keep_mask_at(seed, offsets, v.shape, strides, threshold)
-    return jnp.where(keep, v * np.float32(scale), np.float32(0))
+            + np.float32(0.5) * v * (np.float32(1) - t * t) * K_TANH * (np.float32(1) + np.float32(3) * C_TANH * v * v))
 
 
 def _column_sum(dx):
@@ -82,23 +70,23 @@ def _column_sum(dx):
 
 
 def _bdr_fwd_ref(x, bias, residual, seed, offsets, *, threshold, scale, strides):
-    v = _drop(x.astype(F32) + bias.astype(F32), seed, offsets, threshold, scale, strides)
+    v = _random.apply_mask(x.astype(F32) + bias.astype(F32), seed, offsets, threshold, scale, strides)
     return ((residual.astype(F32) + v).astype(x.dtype),)
 
 
 def _bdr_bwd_ref(dy, seed, offsets, *, threshold, scale, strides):
-    dx = _drop(dy.astype(F32), seed, offsets, threshold, scale, strides)
+    dx = _random.apply_mask(dy.astype(F32), seed, offsets, threshold, scale, strides)
     return dx.astype(dy.dtype), _column_sum(dx)
 
 
 def _bad_fwd_ref(x, bias, seed, offsets, *, activation, threshold, scale, strides):
     a = _act(x.astype(F32) + bias.astype(F32), activation)
-    return (_drop(a, seed, offsets, threshold, scale, strides).astype(x.dtype),)
+    return (_random.apply_mask(a, seed, offsets, threshold, scale, strides).astype(x.dtype),)
 
 
 def _bad_bwd_ref(dy, x, bias, seed, offsets, *, activation, threshold, scale, strides):
     g = dy.astype(F32) * _act_grad(x.astype(F32) + bias.astype(F32), activation)
-    dx = _drop(g, seed, offsets, threshold, scale, strides)
+    dx = _random.apply_mask(g, seed, offsets, threshold, scale, strides)
     return dx.astype(x.dtype), _column_sum(dx)
 
 
@@ -122,16 +110,10 @@ def _bwd_types(x, *arrays, **static):
             result_type(x, (_MAX_PARTS, h), F32))
 
 
-def _dropping(static) -> bool:
-    return static["threshold"] != 0
-
-
 # Every dim of x is shardable (hidden too: the ops are elementwise along it), the bias
 # (1, ..., 1, hidden) is sharded with x's last dim and dbias summed over the others.
 _R0, _B0, _S, _O = Role(ROWS, 0), Role(BCAST, 0), Role(SEED), Role(OFFSETS)
-# With dropout active, vmap runs the examples one by one so each draws its own mask
-# (see the module docstring).
-_KERNEL_OPTIONS = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, per_example=_dropping)
+_KERNEL_OPTIONS = _random.kernel_options(_attrs)
 _BDR_FWD = FusedKernel("jax_ls2_bias_dropout_residual_fwd", _bdr_fwd_ref, operands=(_R0, _B0, _R0, _S, _O),
                        results=(_R0,), result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
 _BDR_BWD = FusedKernel("jax_ls2_bias_dropout_residual_bwd", _bdr_bwd_ref, operands=(_R0, _S, _O),
@@ -210,17 +192,6 @@ _bias_act_dropout.defvjp(_bad_vjp_fwd, _bad_vjp_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
-def _seed_and_rate(op, rate, key, deterministic):
-    deterministic = _checks.check_deterministic(op, deterministic)
-    rate = _checks.check_rate(op, rate, key, deterministic)
-    if deterministic or rate == 0.0:
-        return jnp.zeros((3,), jnp.uint32), 0, 1.0
-    threshold = _random.dropout_threshold(rate)
-    if threshold == 0:  # rate below 1/131072 rounds to no dropout
-        return jnp.zeros((3,), jnp.uint32), 0, 1.0
-    return _random.seed_words(key), threshold, _random.keep_scale(rate)
-
-
 def _order(seq_first):
     """The numbering's dim order: sequence-first (len, batch, hidden) as its transpose."""
     return (1, 0, 2) if seq_first else None
@@ -273,7 +244,7 @@ def bias_dropout_residual(x, bias, residual, *, rate: float, key=None, determini
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
-    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    seed, threshold, scale = _checks.check_dropout(op, rate, key, deterministic)
     offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold, _order(seq_first))
     x, bias, residual = match_varying(x, bias, residual)
     return _bias_dropout_residual(x, bias, residual, seed, offsets, (threshold, scale, strides))
@@ -307,7 +278,7 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     bias = _check_x_bias(op, x, bias, seq_first)
     if not isinstance(activation, str) or activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    seed, threshold, scale = _checks.check_dropout(op, rate, key, deterministic)
     offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold, _order(seq_first))
     x, bias = match_varying(x, bias)
     return _bias_act_dropout(x, bias, seed, offsets, activation, (threshold, scale, strides))
@@ -315,7 +286,7 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dropout(x, seed, offsets, num):
-    return _drop(x.astype(F32), seed, offsets, *num).astype(x.dtype)
+    return _random.apply_mask(x.astype(F32), seed, offsets, *num).astype(x.dtype)
 
 
 def _dropout_fwd(x, seed, offsets, num):
@@ -324,7 +295,7 @@ def _dropout_fwd(x, seed, offsets, num):
 
 def _dropout_bwd(num, res, dy):
     seed, offsets = res
-    return _drop(dy.astype(F32), seed, offsets, *num).astype(dy.dtype), None, None
+    return _random.apply_mask(dy.astype(F32), seed, offsets, *num).astype(dy.dtype), None, None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
@@ -355,7 +326,7 @@ def dropout(x, *, rate: float, key=None, deterministic: bool = False, shard_spec
     _checks.check_array(op, "x", x, dtypes=None)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{op}: x must have a floating dtype, got {x.dtype}")
-    seed, threshold, scale = _seed_and_rate(op, rate, key, deterministic)
+    seed, threshold, scale = _checks.check_dropout(op, rate, key, deterministic)
     if threshold == 0:
         return x
     offsets, strides = _random.numbering(op, x.shape, shard_spec, threshold)

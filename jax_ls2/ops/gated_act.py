@@ -26,15 +26,12 @@ import numpy as np
 from jax_ls2 import _random
 from jax_ls2._dispatch import OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
+from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
 F32 = jnp.float32
 # "geglu" takes the exact (erf) GELU, "geglu_tanh" its tanh approximation (Gemma's).
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
-_SQRT_HALF = np.float32(0.7071067811865476)
-_INV_SQRT_2PI = np.float32(0.3989422804014327)
-_K_TANH = np.float32(0.7978845608028654)
-_C_TANH = np.float32(0.044715)
 
 
 # ---------------------------------------------------------------- reference math
@@ -45,24 +42,15 @@ def _act_and_grad(v, activation):
         sig = jax.nn.sigmoid(v)
         return v * sig, sig * (one + v * (one - sig))
     if activation == "geglu":
-        cdf = half * (one + jax.lax.erf(v * _SQRT_HALF))
-        return v * cdf, cdf + v * _INV_SQRT_2PI * jnp.exp(-half * v * v)
-    t = jnp.tanh(_K_TANH * (v + _C_TANH * v * v * v))
-    dt = (one - t * t) * _K_TANH * (one + np.float32(3) * _C_TANH * v * v)
+        cdf = half * (one + jax.lax.erf(v * SQRT_HALF))
+        return v * cdf, cdf + v * INV_SQRT_2PI * jnp.exp(-half * v * v)
+    t = jnp.tanh(K_TANH * (v + C_TANH * v * v * v))
+    dt = (one - t * t) * K_TANH * (one + np.float32(3) * C_TANH * v * v)
     return half * v * (one + t), half * (one + t) + half * v * dt
 
 
 def _out_shape(x):
     return x.shape[:-1] + (x.shape[-1] // 2,)
-
-
-def _drop(v, seed, offsets, threshold, scale, strides):
-    """float32 ``v`` (the box at ``offsets`` of the output numbered by ``strides``) with
-    its mask applied; threshold 0 returns ``v`` untouched."""
-    if threshold == 0:
-        return v
-    keep = _random.keep_mask_at(seed, offsets, v.shape, strides, threshold)
-    return jnp.where(keep, v * np.float32(scale), np.float32(0))
 
 
 def _split(x):
@@ -73,13 +61,13 @@ def _split(x):
 def _fwd_ref(x, seed, offsets, *, activation, threshold, scale, strides):
     gate, up = _split(x)
     a, _ = _act_and_grad(gate, activation)
-    return (_drop(a * up, seed, offsets, threshold, scale, strides).astype(x.dtype),)
+    return (_random.apply_mask(a * up, seed, offsets, threshold, scale, strides).astype(x.dtype),)
 
 
 def _bwd_ref(x, dy, seed, offsets, *, activation, threshold, scale, strides):
     gate, up = _split(x)
     a, da = _act_and_grad(gate, activation)
-    g = _drop(dy.astype(F32), seed, offsets, threshold, scale, strides)
+    g = _random.apply_mask(dy.astype(F32), seed, offsets, threshold, scale, strides)
     return (jnp.concatenate([g * up * da, g * a], axis=-1).astype(x.dtype),)
 
 
@@ -98,16 +86,11 @@ def _bwd_types(x, *arrays, **static):
     return (result_type(x),)
 
 
-def _dropping(static) -> bool:
-    return static["threshold"] != 0
-
-
 _R1, _S, _O = Role(ROWS, 1), Role(SEED), Role(OFFSETS)
 # x is the first operand of both, so the partitioner's offsets are those of its leading
 # dims (the output's too; the last dim is never split). The seed and offsets reach the
-# kernels as one uint32[4] (k0, k1, 64-bit base). With dropout active, vmap runs the
-# examples one by one so each draws its own mask.
-_KERNEL_OPTIONS = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, per_example=_dropping)
+# kernels as one uint32[4] (k0, k1, 64-bit base).
+_KERNEL_OPTIONS = _random.kernel_options(_attrs)
 _FWD = FusedKernel("jax_ls2_gated_act_dropout_fwd", _fwd_ref, operands=(_R1, _S, _O), results=(_R1,),
                    result_types=_fwd_types, vmap_method="broadcast_all", **_KERNEL_OPTIONS)
 _BWD = FusedKernel("jax_ls2_gated_act_dropout_bwd", _bwd_ref, operands=(_R1, _R1, _S, _O), results=(_R1,),
@@ -168,15 +151,9 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
         raise ValueError(f"{op}: x's last axis must be 2 * ffn (gate then up; even, > 0), got shape {tuple(x.shape)}")
     if not isinstance(activation, str) or activation not in _ACT_CODE:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    deterministic = _checks.check_deterministic(op, deterministic)
-    rate = _checks.check_rate(op, rate, key, deterministic)
+    seed, threshold, scale = _checks.check_dropout(op, rate, key, deterministic)
     if shard_spec is not None and len(tuple(shard_spec)) == x.ndim and tuple(shard_spec)[-1] is not None:
         raise ValueError(f"{op}: x's last axis ([gate | up]) cannot be split, got shard_spec {shard_spec!r}")
-    threshold = 0 if deterministic else _random.dropout_threshold(rate)
-    if threshold == 0:
-        seed, scale = jnp.zeros((3,), jnp.uint32), 1.0
-    else:
-        seed, scale = _random.seed_words(key), _random.keep_scale(rate)
     offsets, strides = _random.numbering(op, _out_shape(x), shard_spec, threshold)
     (x,) = match_varying(x)
     return _gated(x, seed, offsets, (activation, threshold, scale, strides))
