@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 
 from jax_ls2 import _random
+from jax_ls2.ops import _limits
 from jax_ls2.optim import _abi
 
 # The modules (jax_ls2.ops re-exports functions of the same names).
 dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
-layer_norm_ops = importlib.import_module("jax_ls2.ops.layer_norm")
 flash_ops = importlib.import_module("jax_ls2.ops.flash_attention")
-fp8_cast_ops = importlib.import_module("jax_ls2.ops.fp8_cast")
-rms_norm_ops = importlib.import_module("jax_ls2.ops.rms_norm")
 gated_act_ops = importlib.import_module("jax_ls2.ops.gated_act")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -99,17 +97,14 @@ def _mirrors():
     for py, cpp in {"PAD": "kPad", "MAX_LEAVES": "kMaxLeaves", "NORM_BLOCKS": "kNormBlocks",
                     "HP_SIZE": "kHpSize"}.items():
         rows.append((f"optim._abi.{py}", getattr(_abi, py), f"optim::{cpp}", same))
-    rows.append(("ops.layer_norm._MAX_PARTS", layer_norm_ops._MAX_PARTS, "kMaxPartialRows", same))
-    rows.append(("ops.dropout._MAX_PARTS", dropout_ops._MAX_PARTS, "kMaxPartialRows", same))
+    rows.append(("ops._limits.MAX_PARTS", _limits.MAX_PARTS, "kMaxPartialRows", same))
     rows.append(("_random.MAX_ROW_DIMS", _random.MAX_ROW_DIMS, "kMaskMaxRowDims", same))
-    rows.append(("ops.fp8_cast._MAX_PARTS", fp8_cast_ops._MAX_PARTS, "kMaxPartialRows", same))
-    # MAX_COPIES: y and the extra cotangents the backward kernel adds to it.
-    rows.append(("ops.layer_norm.MAX_COPIES", layer_norm_ops.MAX_COPIES, "kLayerNormMaxExtraDy", lambda v: v + 1))
+    # MAX_COPIES: y and the extra cotangents each norm's backward kernel adds to it.
+    rows.append(("ops._limits.MAX_COPIES[layer_norm]", _limits.MAX_COPIES, "kLayerNormMaxExtraDy", lambda v: v + 1))
+    rows.append(("ops._limits.MAX_COPIES[rms_norm]", _limits.MAX_COPIES, "kRmsNormMaxExtraDy", lambda v: v + 1))
     acts = {"relu": "kActRelu", "gelu": "kActGelu", "gelu_tanh": "kActGeluTanh"}
     for name, code in dropout_ops._ACT_CODE.items():
         rows.append((f"ops.dropout._ACT_CODE[{name!r}]", code, acts[name], same))
-    rows.append(("ops.rms_norm._MAX_PARTS", rms_norm_ops._MAX_PARTS, "kMaxPartialRows", same))
-    rows.append(("ops.rms_norm.MAX_COPIES", rms_norm_ops.MAX_COPIES, "kRmsNormMaxExtraDy", lambda v: v + 1))
     gated = {"swiglu": "kGatedSwiglu", "geglu": "kGatedGeglu", "geglu_tanh": "kGatedGegluTanh"}
     for name, code in gated_act_ops._ACT_CODE.items():
         rows.append((f"ops.gated_act._ACT_CODE[{name!r}]", code, gated[name], same))

@@ -412,7 +412,7 @@ def test_the_workspace_size_is_the_kernels_partial_row_bound():
     # mirrored with kMaxPartialRows in tests/test_contracts.py; here: the dgelu call asks
     # for that many partial rows.
     types = fp8_ops._dact_types(jnp.ones((4, 8)), jnp.ones((4, 8)), S, activation="gelu", fp8_dtype=E5M2)
-    assert types[-1].shape == (fp8_ops._MAX_PARTS, 8)
+    assert types[-1].shape == (fp8_ops.MAX_PARTS, 8)
 
 
 # ---------------------------------------------------------------- GPU: kernels against references

@@ -294,8 +294,9 @@ def test_bad_inputs():
         layer_norm(x, g, b, residual=r[:2])
     with pytest.raises(TypeError, match="layer_norm: residual must have dtype float32"):
         layer_norm(x, g, b, residual=r.astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match="layer_norm: epsilon must be a positive"):
-        layer_norm(x, g, b, epsilon=0.0)
+    for bad in (0.0, -1.0, True):
+        with pytest.raises(ValueError, match="layer_norm: epsilon must be a positive"):
+            layer_norm(x, g, b, epsilon=bad)
 
 
 # ---------------------------------------------------------------- GPU

@@ -34,11 +34,10 @@ import numpy as np
 from jax_ls2 import _random
 from jax_ls2._dispatch import BCAST, BCAST_SUM, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
+from jax_ls2.ops._limits import MAX_PARTS
 from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
 F32 = jnp.float32
-# Partial dbias rows in the backward workspace (at most one per CUDA block).
-_MAX_PARTS = 264
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 
@@ -107,7 +106,7 @@ def _bwd_types(x, *arrays, **static):
     # dx, dbias (1, ..., 1, hidden), then the workspace of partial dbias rows.
     h = x.shape[-1]
     return (result_type(x), result_type(x, (1,) * (x.ndim - 1) + (h,), F32),
-            result_type(x, (_MAX_PARTS, h), F32))
+            result_type(x, (MAX_PARTS, h), F32))
 
 
 # Every dim of x is shardable (hidden too: the ops are elementwise along it), the bias

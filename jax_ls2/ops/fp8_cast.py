@@ -30,12 +30,11 @@ import numpy as np
 
 from jax_ls2._dispatch import COLS, MAX, PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks
+from jax_ls2.ops._limits import MAX_PARTS
 from jax_ls2.ops.dropout import _ACT_CODE, ACTIVATIONS, _act, _act_grad
 from jax_ls2.ops.layer_norm import _BWD as _LAYER_NORM_BWD, _stats
 
 F32 = jnp.float32
-# Partial dbias rows in the dgelu workspace (at most one per CUDA block).
-_MAX_PARTS = 264
 
 
 # ---------------------------------------------------------------- reference math
@@ -98,7 +97,7 @@ def _cast_transpose_types(x, scale, *, fp8_dtype):
 def _dact_types(g, pre, scale, *, activation, fp8_dtype):
     m, n = g.shape
     return (result_type(g, dtype=fp8_dtype), result_type(g, (n, m), fp8_dtype), _scalar(g),
-            result_type(g, (n,), F32), result_type(g, (_MAX_PARTS, n), F32))
+            result_type(g, (n,), F32), result_type(g, (MAX_PARTS, n), F32))
 
 
 def _eps_attr(*arrays, eps, fp8_dtype):

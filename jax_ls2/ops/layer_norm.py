@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
-from jax_ls2.ops import _checks
+from jax_ls2.ops import _checks, _normalization
+from jax_ls2.ops._limits import MAX_PARTS
 
 F32 = jnp.float32
-# Row-groups' partial dgamma/dbeta rows in the backward workspace (one per CUDA block).
-_MAX_PARTS = 264
 
 
 # ---------------------------------------------------------------- reference math
@@ -85,19 +84,16 @@ def _bwd_types(*arrays):
     x = arrays[-4]
     h = x.shape[-1]
     return (result_type(x), result_type(x, (h,), F32), result_type(x, (h,), F32),
-            result_type(x, (_MAX_PARTS, 2, h), F32))
+            result_type(x, (MAX_PARTS, 2, h), F32))
 
 
 def _multi_bwd_ref(x, gamma, mean, rstd, *cts, has_dsum):
     # cts = dy_0 .. dy_{n-1} [, dsum]: the cotangents of y summed in float32 in this
     # order (as the kernel adds them while loading).
-    dys = cts[:len(cts) - has_dsum]
-    dy = dys[0].astype(F32)
-    for d in dys[1:]:
-        dy = dy + d.astype(F32)
+    dy, dsum = _normalization.sum_cotangents(cts, has_dsum)
     dx, dg, db = _bwd_reference(dy, x, gamma, mean, rstd)
     if has_dsum:
-        dx = dx + cts[-1].astype(F32)
+        dx = dx + dsum.astype(F32)
     return dx.astype(x.dtype), dg, db
 
 
@@ -186,9 +182,6 @@ def _layer_norm_keep_input_bwd(eps, res, cts):
 
 _layer_norm_keep_input.defvjp(_layer_norm_keep_input_fwd, _layer_norm_keep_input_bwd, optimize_remat=True)
 
-# Most copies of y the backward kernel sums (csrc/kernels/layer_norm.h: 1 + kLayerNormMaxExtraDy).
-MAX_COPIES = 4
-
 
 @functools.lru_cache(maxsize=None)
 def _multi_bwd_kernel(n_cts: int) -> FusedKernel:
@@ -197,23 +190,15 @@ def _multi_bwd_kernel(n_cts: int) -> FusedKernel:
                        result_types=_multi_bwd_types, attrs=_has_dsum_attr, vmap_method="sequential")
 
 
-def _distinct_copies(y, copies):
-    """`copies` references to y's buffer that XLA treats as different values: without
-    the barrier it would see one operand shared by the consumers' GEMMs and merge them
-    (q, k, v projections into one GEMM whose bias add and column slices, and whose
-    weight gradient's concatenated dq|dk|dv, cost full activation passes)."""
-    return tuple(jax.lax.optimization_barrier((y,) * copies))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _layer_norm_copies(x, gamma, beta, eps, copies, keep_input):
     y = _FWD(x, gamma, beta, eps=eps)[0]
-    return _distinct_copies(y, copies) + ((x,) if keep_input else ())
+    return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ())
 
 
 def _layer_norm_copies_fwd(x, gamma, beta, eps, copies, keep_input):
     y, mean, rstd = _FWD(x, gamma, beta, eps=eps)
-    return _distinct_copies(y, copies) + ((x,) if keep_input else ()), (x, gamma, mean, rstd)
+    return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ()), (x, gamma, mean, rstd)
 
 
 def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
@@ -266,16 +251,9 @@ def layer_norm(x, gamma, beta, *, epsilon: float = 1e-5, residual=None, return_i
     _checks.check_shape(op, "beta", beta, (h,))
     if h == 0:
         raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
-    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
+    _normalization.check_options(op, epsilon=epsilon, copies=copies, return_input=return_input, residual=residual)
     gamma = gamma.astype(x.dtype)
     beta = beta.astype(x.dtype)
-    if not isinstance(return_input, bool):
-        raise TypeError(f"{op}: return_input must be a Python bool, got {type(return_input).__name__}")
-    if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_COPIES:
-        raise ValueError(f"{op}: copies must be a Python int from 1 to {MAX_COPIES}, got {copies!r}")
-    if copies > 1 and residual is not None:
-        raise ValueError(f"{op}: copies applies without residual (with residual, the sum is returned)")
     if residual is None:
         x, gamma, beta = match_varying(x, gamma, beta)
         if copies > 1:
@@ -283,8 +261,6 @@ def layer_norm(x, gamma, beta, *, epsilon: float = 1e-5, residual=None, return_i
         if return_input:
             return _layer_norm_keep_input(x, gamma, beta, float(epsilon))
         return _layer_norm(x, gamma, beta, float(epsilon))
-    if return_input:
-        raise ValueError(f"{op}: return_input applies without residual (with residual, the sum is returned)")
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)

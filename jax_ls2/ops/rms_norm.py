@@ -9,13 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
-from jax_ls2.ops import _checks
+from jax_ls2.ops import _checks, _normalization
+from jax_ls2.ops._limits import MAX_PARTS
 
 F32 = jnp.float32
-# Row-groups' partial dgamma rows in the backward workspace (one per CUDA block).
-_MAX_PARTS = 264
-# Most copies of y the backward kernel sums (csrc/kernels/rms_norm.h: 1 + kRmsNormMaxExtraDy).
-MAX_COPIES = 4
 
 
 # ---------------------------------------------------------------- reference math
@@ -44,16 +41,13 @@ def _add_fwd_ref(x, residual, gamma, *, eps, unit_offset):
 def _bwd_ref(x, gamma, rstd, *cts, has_dsum, unit_offset):
     # cts = dy_0 .. dy_{n-1} [, dsum]: the cotangents of y summed in float32 in this
     # order (as the kernel adds them while loading), then that of the input's other use.
-    dys = cts[:len(cts) - has_dsum]
-    dy = dys[0].astype(F32)
-    for d in dys[1:]:
-        dy = dy + d.astype(F32)
+    dy, dsum = _normalization.sum_cotangents(cts, has_dsum)
     xhat = x.astype(F32) * rstd[..., None]
     g = dy * _weight(gamma, unit_offset)
     dot = jnp.mean(g * xhat, axis=-1, keepdims=True)
     dx = rstd[..., None] * (g - xhat * dot)
     if has_dsum:
-        dx = dx + cts[-1].astype(F32)
+        dx = dx + dsum.astype(F32)
     return dx.astype(x.dtype), jnp.sum(dy * xhat, axis=tuple(range(x.ndim - 1)))
 
 
@@ -69,7 +63,7 @@ def _add_fwd_types(x, residual, gamma, *, eps, unit_offset):
 def _bwd_types(x, gamma, rstd, *cts, has_dsum, unit_offset):
     # dx, dgamma, then the workspace of partial dgamma rows.
     h = x.shape[-1]
-    return result_type(x), result_type(x, (h,), F32), result_type(x, (_MAX_PARTS, h), F32)
+    return result_type(x), result_type(x, (h,), F32), result_type(x, (MAX_PARTS, h), F32)
 
 
 def _fwd_attrs(*arrays, eps, unit_offset):
@@ -101,22 +95,16 @@ def _backward(x, gamma, rstd, cts, has_dsum, unit_offset):
     return dx, dg.astype(gamma.dtype)
 
 
-def _distinct_copies(y, copies):
-    """`copies` references to y that XLA treats as different values, so the consumers'
-    GEMMs are not merged into one over a shared operand (see layer_norm's copies)."""
-    return (y,) if copies == 1 else tuple(jax.lax.optimization_barrier((y,) * copies))
-
-
 # ---------------------------------------------------------------- custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _rms_norm(x, gamma, eps, unit_offset, copies, keep_input):
     y = _FWD(x, gamma, eps=eps, unit_offset=unit_offset)[0]
-    return _distinct_copies(y, copies) + ((x,) if keep_input else ())
+    return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ())
 
 
 def _rms_norm_fwd(x, gamma, eps, unit_offset, copies, keep_input):
     y, rstd = _FWD(x, gamma, eps=eps, unit_offset=unit_offset)
-    return _distinct_copies(y, copies) + ((x,) if keep_input else ()), (x, gamma, rstd)
+    return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ()), (x, gamma, rstd)
 
 
 def _rms_norm_bwd(eps, unit_offset, copies, keep_input, res, cts):
@@ -187,22 +175,14 @@ def rms_norm(x, gamma, *, epsilon: float = 1e-6, residual=None, copies: int = 1,
     _checks.check_shape(op, "gamma", gamma, (h,))
     if h == 0:
         raise ValueError(f"{op}: x must have a non-empty last axis, got shape {tuple(x.shape)}")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
-    for name, flag in (("return_input", return_input), ("unit_offset", unit_offset)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a Python bool, got {type(flag).__name__}")
-    if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_COPIES:
-        raise ValueError(f"{op}: copies must be a Python int from 1 to {MAX_COPIES}, got {copies!r}")
+    _normalization.check_options(op, epsilon=epsilon, copies=copies, return_input=return_input, residual=residual)
+    if not isinstance(unit_offset, bool):
+        raise TypeError(f"{op}: unit_offset must be a Python bool, got {type(unit_offset).__name__}")
     gamma = gamma.astype(x.dtype)
     if residual is None:
         x, gamma = match_varying(x, gamma)
         out = _rms_norm(x, gamma, float(epsilon), unit_offset, copies, return_input)
         return out[0] if len(out) == 1 else out
-    if copies > 1:
-        raise ValueError(f"{op}: copies applies without residual (with residual, the sum is returned)")
-    if return_input:
-        raise ValueError(f"{op}: return_input applies without residual (with residual, the sum is returned)")
     _checks.check_array(op, "residual", residual)
     _checks.check_shape(op, "residual", residual, x.shape)
     _checks.check_same_dtype(op, "residual", residual, x.dtype)
