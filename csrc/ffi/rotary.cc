@@ -42,16 +42,16 @@ ffi::Error Rotary(cudaStream_t stream, const char* op, const ffi::AnyBuffer& q, 
 // Rets: q rotated (tokens..., heads, D), k rotated (tokens..., kv_heads, D)
 ffi::Error RotaryFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer positions,
                          ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out,
-                         bool interleaved, bool inverse) {
-  return Rotary(stream, "rotary", q, k, positions, inv_freq, q_out, k_out, interleaved, inverse);
+                         bool interleaved) {
+  return Rotary(stream, "rotary", q, k, positions, inv_freq, q_out, k_out, interleaved, /*inverse=*/false);
 }
 
 // Args: dq_out, dk_out (the cotangents, shaped like q and k), positions, inv_freq
-// Rets: dq, dk: the cotangents rotated back (inverse = true)
+// Rets: dq, dk: the cotangents rotated back (the inverse rotation)
 ffi::Error RotaryBwdImpl(cudaStream_t stream, ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer positions,
                          ffi::AnyBuffer inv_freq, ffi::Result<ffi::AnyBuffer> dq_in, ffi::Result<ffi::AnyBuffer> dk_in,
-                         bool interleaved, bool inverse) {
-  return Rotary(stream, "rotary backward", dq, dk, positions, inv_freq, dq_in, dk_in, interleaved, inverse);
+                         bool interleaved) {
+  return Rotary(stream, "rotary backward", dq, dk, positions, inv_freq, dq_in, dk_in, interleaved, /*inverse=*/true);
 }
 
 }  // namespace
@@ -65,8 +65,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RotaryFwd, RotaryFwdImpl,
                                   .Arg<ffi::AnyBuffer>()  // inv_freq
                                   .Ret<ffi::AnyBuffer>()  // q rotated
                                   .Ret<ffi::AnyBuffer>()  // k rotated
-                                  .Attr<bool>("interleaved")
-                                  .Attr<bool>("inverse"),
+                                  .Attr<bool>("interleaved"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RotaryBwd, RotaryBwdImpl,
@@ -78,8 +77,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RotaryBwd, RotaryBwdImpl,
                                   .Arg<ffi::AnyBuffer>()  // inv_freq
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
-                                  .Attr<bool>("interleaved")
-                                  .Attr<bool>("inverse"),
+                                  .Attr<bool>("interleaved"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_LS2_REGISTER("jax_ls2_rotary_fwd", RotaryFwd);

@@ -112,10 +112,18 @@ def _rotate(x, cos, sin, interleaved):
     return jnp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
 
 
-def _ref(q, k, positions, inv_freq, *, interleaved, inverse):
+def _rotate_both(q, k, positions, inv_freq, interleaved, inverse):
     cos, sin = _angles(positions, inv_freq)
     sin = -sin if inverse else sin
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+def _fwd_ref(q, k, positions, inv_freq, *, interleaved):
+    return _rotate_both(q, k, positions, inv_freq, interleaved, inverse=False)
+
+
+def _bwd_ref(dq, dk, positions, inv_freq, *, interleaved):
+    return _rotate_both(dq, dk, positions, inv_freq, interleaved, inverse=True)
 
 
 # ---------------------------------------------------------------- CUDA calls
@@ -123,33 +131,33 @@ def _types(q, k, positions, inv_freq, **static):
     return result_type(q), result_type(k)
 
 
-def _attrs(*arrays, interleaved, inverse):
-    return dict(interleaved=bool(interleaved), inverse=bool(inverse))
+def _attrs(*arrays, interleaved):
+    return dict(interleaved=bool(interleaved))
 
 
 # q and k are (batch, seq | heads, head_dim): the token dims are batch-like.
 _T2 = Role(ROWS, 2)
 _KERNEL_OPTIONS = dict(operands=(_T2, _T2, Role(ROWS, 0), Role(PARAM)), results=(_T2, _T2), result_types=_types,
                        attrs=_attrs, vmap_method="broadcast_all")
-_FWD = FusedKernel("jax_ls2_rotary_fwd", _ref, **_KERNEL_OPTIONS)
+_FWD = FusedKernel("jax_ls2_rotary_fwd", _fwd_ref, **_KERNEL_OPTIONS)
 # The backward is the inverse rotation of the cotangents (the same kernel, sin negated).
-_BWD = FusedKernel("jax_ls2_rotary_bwd", _ref, **_KERNEL_OPTIONS)
+_BWD = FusedKernel("jax_ls2_rotary_bwd", _bwd_ref, **_KERNEL_OPTIONS)
 
 
 # ---------------------------------------------------------------- custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _rotary(q, k, positions, inv_freq, interleaved):
-    return _FWD(q, k, positions, inv_freq, interleaved=interleaved, inverse=False)
+    return _FWD(q, k, positions, inv_freq, interleaved=interleaved)
 
 
 def _rotary_fwd(q, k, positions, inv_freq, interleaved):
-    out = _FWD(q, k, positions, inv_freq, interleaved=interleaved, inverse=False)
+    out = _FWD(q, k, positions, inv_freq, interleaved=interleaved)
     return out, (positions, inv_freq)
 
 
 def _rotary_bwd(interleaved, res, cts):
     positions, inv_freq = res
-    dq, dk = _BWD(*cts, positions, inv_freq, interleaved=interleaved, inverse=True)
+    dq, dk = _BWD(*cts, positions, inv_freq, interleaved=interleaved)
     return dq, dk, None, None
 
 
