@@ -73,7 +73,8 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   }
   if (static_cast<int64_t>(gamma.element_count()) != a.hidden || static_cast<int64_t>(rstd.element_count()) != a.rows)
     return ffi::Error::InvalidArgument(std::string(op) + ": gamma must be (hidden,) and rstd (rows,)");
-  if (a.max_parts < 1) return ffi::Error::InvalidArgument(std::string(op) + ": partials workspace must have >= 1 row");
+  if (partials->element_type() != ffi::DataType::F32 || pdims.size() != 2 || pdims[0] < 1 || pdims[1] != a.hidden)
+    return ffi::Error::InvalidArgument(std::string(op) + ": the partials workspace must be (parts >= 1, hidden) float32");
   PoisonOutputs(stream, dx, dgamma);
   return DispatchFloat(x.element_type(), op, [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
