@@ -233,12 +233,9 @@ class FusedKernel:
 
         # A seeded kernel numbers its elements by their flat index, which a shard knows
         # only when its rows are one contiguous block: only the first leading dim may stay
-        # sharded (the others are gathered), so masks match the unsharded ones. With the
-        # static ``seq_first=True`` the rows are (len, batch) and numbered as their
-        # (batch, len) transpose: there the batch dim (1) is the one that may stay sharded.
-        # A kernel with an OFFSETS operand numbers by global coordinates: no such limit.
+        # sharded (the others are gathered), so masks match the unsharded ones. A kernel
+        # with an OFFSETS operand numbers by global coordinates: no such limit.
         seeded = kernel._seed_index is not None and kernel._offsets_index is None
-        seed_dim = 1 if static.get("seq_first") else 0
 
         def lead_spec_of(arg_shapes):
             rows = arg_shapes[kernel._rows_index]
@@ -246,7 +243,7 @@ class FusedKernel:
             spec = tuple(rows.sharding.spec) + (None,) * (len(rows.shape) - len(rows.sharding.spec))
             spec = spec[:lead]
             if seeded:
-                spec = tuple(e if i == seed_dim else None for i, e in enumerate(spec))
+                spec = tuple(e if i == 0 else None for i, e in enumerate(spec))
             return spec, rows.shape[:lead]
 
         def spec_for(role, shape, lead_spec, lead_shape):
@@ -326,7 +323,7 @@ class FusedKernel:
                 replicated.append(name)
                 return name
 
-            shared = lambda i: i == seed_dim or not seeded  # see lead_spec_of
+            shared = lambda i: i == 0 or not seeded  # see lead_spec_of
 
             def mapping(role, shape):
                 if role.kind == ROWS:
