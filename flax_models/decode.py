@@ -4,8 +4,10 @@ either layer library.
 A decoder holds one key/value cache per attention layer (``jax_ls2.nn.KVCache``
 variables with jax_ls2 layers, Flax's ``nnx.Cache`` in the plain-Flax twin) and the
 number of positions written. ``decoder(ids, decode=True)`` appends ``ids`` (batch, t)
-to the cache and returns their logits (batch, t, vocab): first a prefill of the prompt
-(from an empty cache), then one token per call.
+to the cache and returns their logits (batch, t, vocab): the prompt in one call or in
+chunks, then one token per call; each token attends the cached positions and the
+earlier tokens of its call (`jax_ls2.nn.kv_cache.visible`). A call of more than
+``max_len`` tokens raises; one that runs past the end of the cache returns NaN logits.
 
 * `for_decoding(model)`: the model itself for `flax_models.llama.Llama` (its
   ``DecoderLayer`` s own their caches), a `GPTDecoding` around a
@@ -28,7 +30,6 @@ from flax import nnx
 import jax_ls2.nn as ls2_nn
 from flax_models.gpt import GPT
 from flax_models.llama import Llama
-from flax_models.plain.layers import _pick
 from jax_ls2.nn import kv_cache
 from jax_ls2.nn._common import matmul
 from jax_ls2.ops import bias_act_dropout, flash_attention
@@ -67,17 +68,15 @@ class GPTDecoding(nnx.Module):
         qkv = layer.attn.qkv(h).reshape(b, t, 3, heads, hidden // heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         start = self.index[...]
-        k_all, v_all = kv_cache.write(self.keys[i], self.values[i], start, k, v)
-        mask = None  # a prefill attends its own tokens causally
-        if t == 1:
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-            mask = kv_cache.filled_mask(b, k.shape[1], start)
+        k_all, v_all = kv_cache.write(self.keys[i], self.values[i], start, k, v, "GPTDecoding")
+        k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        max_len = k.shape[1]
         if _is_ls2(layer.attn_ln):
-            ctx = flash_attention(q, k, v, causal=t > 1, padding_mask=mask)
+            ctx = flash_attention(q, k, v, bias=kv_cache.visible_bias(start, t, max_len))
         else:
-            impl = "xla" if mask is not None else _pick("auto", False, t, t, q.shape[-1], q.dtype)
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=t > 1, implementation=impl,
-                                               mask=None if mask is None else mask[:, None, None, :])
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, max_len)[None, None],
+                                               implementation="xla")
+        ctx = kv_cache.nan_past_end(ctx, start, max_len)
         return layer.attn.out(ctx.reshape(b, t, hidden))
 
     def _ffn(self, layer, h):

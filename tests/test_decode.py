@@ -11,6 +11,8 @@ from flax_models import decode
 from jax_ls2.nn import KVCache
 
 PROMPT, STEPS, BATCH = 4, 4, 2
+# A prompt prefilled in two chunks, then single tokens.
+CHUNKS, SINGLE = (5, 3), 2
 
 
 @nnx.jit
@@ -18,12 +20,16 @@ def _full(model, ids):
     return model(ids)
 
 
+def _cfg(family):
+    return fm.get_config(family, "tiny", num_layers=1)  # one layer: each cached path, less to compile
+
+
 def _model(family, impl):
-    return fm.build(fm.get_config(family, "tiny"), impl=impl, seed=3, train=False)
+    return fm.build(_cfg(family), impl=impl, seed=3, train=False)
 
 
 def _ids(family, length, seed=0):
-    vocab = fm.get_config(family, "tiny").vocab_size
+    vocab = _cfg(family).vocab_size
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (BATCH, length)), jnp.int32)
 
 
@@ -32,19 +38,44 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("llama", "plain"), ("gpt", "ls2")])
+@pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("llama", "plain"), ("gpt", "ls2"), ("gpt", "plain")])
 def test_cached_logits_equal_the_full_forward_at_each_position(family, impl):
+    """A prompt prefilled in two chunks (5 then 3 tokens: the second attends the cached
+    five), then one token per call, gives the full forward's logits at every position;
+    so does the prompt in one 8-token call."""
     model = _model(family, impl)
-    ids = _ids(family, PROMPT + STEPS)
+    prompt = sum(CHUNKS)
+    ids = _ids(family, prompt + SINGLE)
     full = _full(model, ids)
-    decoder = decode.init_cache(model, BATCH, PROMPT + STEPS + 2)
-    got = [decode.decode(decoder, ids[:, :PROMPT])]
-    for i in range(PROMPT, PROMPT + STEPS):
-        got.append(decode.decode(decoder, ids[:, i:i + 1]))
+    decoder = decode.init_cache(model, BATCH, ids.shape[1])
+    got = [decode.decode(decoder, ids[:, :CHUNKS[0]]), decode.decode(decoder, ids[:, CHUNKS[0]:prompt])]
+    got += [decode.decode(decoder, ids[:, i:i + 1]) for i in range(prompt, ids.shape[1])]
     got = jnp.concatenate(got, axis=1)
     assert got.shape == full.shape
-    for i in range(PROMPT + STEPS):  # fp32 both ways; observed ~1e-7
+    for i in range(ids.shape[1]):  # fp32 both ways; observed ~1e-7
         assert _rel(got[:, i], full[:, i]) < 1e-5, f"position {i}"
+    one = decode.decode(decode.init_cache(model, BATCH, ids.shape[1]), ids[:, :prompt])
+    for i in range(prompt):
+        assert _rel(one[:, i], full[:, i]) < 1e-5, f"one prefill, position {i}"
+
+
+@pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("llama", "plain"), ("gpt", "ls2")])
+def test_a_call_past_the_cache_end_is_nan_and_keeps_the_cache(family, impl):
+    """Too many tokens for the cache raise before anything runs; a call that starts
+    inside the cache but runs past its end returns NaN (its keys do not all fit) and
+    leaves the slots written before it as they were (a clamped write would move them)."""
+    model = _model(family, impl)
+    ids = _ids(family, 5, seed=3)
+    decoder = decode.init_cache(model, BATCH, 4)
+    owner = "DecoderLayer" if family == "llama" else "GPTDecoding"
+    with pytest.raises(ValueError, match=rf"{owner}: a decode call of 5 tokens does not fit the cache's max_len \(4\)"):
+        decode.decode(decoder, ids)
+    assert np.isfinite(np.asarray(decode.decode(decoder, ids[:, :3]))).all()
+    before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(decoder, nnx.Cache)) if a.ndim == 4]
+    assert np.isnan(np.asarray(decode.decode(decoder, ids[:, 3:]))).all()
+    after = [np.asarray(a) for a in jax.tree.leaves(nnx.state(decoder, nnx.Cache)) if a.ndim == 4]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a[:, :3], b[:, :3])
 
 
 @pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("gpt", "plain")])
@@ -85,7 +116,7 @@ def test_cache_is_state_apart_from_the_params():
     decode.init_cache(model, BATCH, 8)
     caches = nnx.state(model, KVCache)
     leaves = jax.tree.leaves(caches)
-    layers = fm.get_config("llama", "tiny").num_layers
+    layers = _cfg("llama").num_layers
     assert len(leaves) == 3 * layers  # keys, values, index per layer
     assert {tuple(x.shape) for x in leaves} == {(BATCH, 8, 2, 16), ()}
     assert jax.tree.structure(nnx.state(model, nnx.Param)) == jax.tree.structure(params)

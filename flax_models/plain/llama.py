@@ -1,6 +1,7 @@
-"""Plain-Flax twins of jax_ls2.nn.RMSNorm and jax_ls2.nn.DecoderLayer (no jax_ls2 code):
+"""Plain-Flax twins of jax_ls2.nn.RMSNorm and jax_ls2.nn.DecoderLayer (no jax_ls2 ops):
 the same constructors and parameter trees, the math written with jnp and
-``jax.nn.dot_product_attention``. The decode cache is Flax's own ``nnx.Cache``."""
+``jax.nn.dot_product_attention``. The decode cache is Flax's own ``nnx.Cache``, written
+and masked by the jnp rules of `jax_ls2.nn.kv_cache`, so both forms decode alike."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from flax_models.plain.layers import LayerNorm, _pick
+from jax_ls2.nn import kv_cache
 
 F32 = jnp.float32
 
@@ -112,10 +114,10 @@ class DecoderLayer(nnx.Module):
         self.hidden_drop = nnx.Dropout(hidden_dropout, deterministic=deterministic, rngs=rngs)
         self.cache_k = self.cache_v = self.cache_index = nnx.data(None)
 
-    def init_cache(self, batch, max_len, dtype):
-        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
-        self.cache_k, self.cache_v = nnx.Cache(jnp.zeros(shape, dtype)), nnx.Cache(jnp.zeros(shape, dtype))
-        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    def init_cache(self, batch, max_len, dtype=None):
+        dtype = dtype or self.dtype or self.qkv.kernel.dtype
+        self.cache_k, self.cache_v, self.cache_index = kv_cache.new_cache(
+            batch, max_len, self.num_kv_heads, self.head_dim, dtype, "DecoderLayer", variable=nnx.Cache)
 
     def _attend(self, q, k, v, mask, causal, det):
         if (not det) and self.attn_dropout > 0:
@@ -151,15 +153,14 @@ class DecoderLayer(nnx.Module):
         if segment_ids is not None:
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
         if decode:
-            k_all = jax.lax.dynamic_update_slice(self.cache_k[...], k.astype(self.cache_k.dtype), (0, start, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(self.cache_v[...], v.astype(self.cache_v.dtype), (0, start, 0, 0))
-            self.cache_k[...], self.cache_v[...] = k_all, v_all
+            k_all, v_all = kv_cache.write(self.cache_k, self.cache_v, start, k, v, "DecoderLayer")
             self.cache_index[...] = start + t
-            if t == 1:  # one new token: it attends the filled part of the cache
-                k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-                mask = (jnp.arange(k.shape[1]) <= start)[None, None, None, :]
-                causal = False
-        ctx = self._attend(q, k, v, mask, causal, det).reshape(b, t, nq * d)
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            mask, causal = kv_cache.visible(start, t, k.shape[1])[None, None], False
+        ctx = self._attend(q, k, v, mask, causal, det)
+        if decode:
+            ctx = kv_cache.nan_past_end(ctx, start, k.shape[1])
+        ctx = ctx.reshape(b, t, nq * d)
         a = self.hidden_drop(self.out(ctx), deterministic=det)
         h, x = self.mlp_norm(a, residual=x) if self.norm == "rms" else self._ln_residual(a, x)
         gate, up = jnp.split(self.gate_up(h), 2, axis=-1)

@@ -20,9 +20,11 @@ head_dim, hidden), ``gate_up`` (hidden, 2 * ffn) laid out [gate | up], ``down`` 
 hidden). The plain-Flax twin ``flax_models.plain.DecoderLayer`` has the same tree.
 
 Decoding: ``init_cache(batch, max_len, dtype)`` gives the layer a `KVCache`; then
-``__call__(x, decode=True)`` appends x's keys and values to it. A call with several
-tokens is a prefill and must start from an empty cache (it attends its own tokens,
-causally); a call with one token attends every cached position up to its own.
+``__call__(x, decode=True)`` appends x's keys and values to it and attends the cache by
+one rule (`jax_ls2.nn.kv_cache.visible`): each token sees every cached position and the
+earlier tokens of its own call. So a prompt may be prefilled in one call or in chunks,
+and generation goes on one token per call. A call longer than ``max_len`` raises; a
+call running past the end of the cache returns NaN (see `jax_ls2.nn.kv_cache.write`).
 """
 from __future__ import annotations
 
@@ -186,13 +188,14 @@ class DecoderLayer(nnx.Module):
                       interleaved=self.interleaved, scaling=self.rope_scaling)
         attn = dict(causal=True, segment_ids=segment_ids)
         if decode:
-            k_all, v_all = kv_cache.write(self.cache_k, self.cache_v, start, k, v)
+            k_all, v_all = kv_cache.write(self.cache_k, self.cache_v, start, k, v, "DecoderLayer")
             self.cache_index[...] = start + t
-            if t == 1:
-                k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-                attn = dict(causal=False, padding_mask=kv_cache.filled_mask(b, k.shape[1], start))
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            attn = dict(bias=kv_cache.visible_bias(start, t, k.shape[1]))
         ctx = flash_attention(q, k, v, rate=self.attn_dropout, key=k_attn, deterministic=det or k_attn is None,
                               **attn)
+        if decode:
+            ctx = kv_cache.nan_past_end(ctx, start, k.shape[1])
         a = self.out(ctx.reshape(b, t, nq * d))
         a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout)
         h, x = self.mlp_norm(a, residual=x.astype(a.dtype))

@@ -9,7 +9,6 @@ that filters Flax's own cache type finds it too.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -18,27 +17,55 @@ class KVCache(nnx.Cache):
     """Keys, values or the write position of one attention layer's decode cache."""
 
 
-def new_cache(batch: int, max_len: int, kv_heads: int, head_dim: int, dtype, owner: str):
-    """Zeroed (keys, values, index) `KVCache` variables; checks the sizes with `owner`'s name."""
+def new_cache(batch: int, max_len: int, kv_heads: int, head_dim: int, dtype, owner: str, variable=KVCache):
+    """Zeroed (keys, values, index) cache variables of type ``variable`` (`KVCache`, or
+    ``nnx.Cache`` for the plain-Flax twins); checks the sizes with ``owner``'s name."""
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{owner}.init_cache: {name} must be a positive int, got {value!r}")
     shape = (batch, max_len, kv_heads, head_dim)
-    return (KVCache(jnp.zeros(shape, dtype)), KVCache(jnp.zeros(shape, dtype)),
-            KVCache(jnp.zeros((), jnp.int32)))
+    return (variable(jnp.zeros(shape, dtype)), variable(jnp.zeros(shape, dtype)),
+            variable(jnp.zeros((), jnp.int32)))
 
 
-def write(keys: KVCache, values: KVCache, start, k, v):
-    """Writes k, v ``(batch, t, kv_heads, head_dim)`` into the caches at position
-    ``start`` (an int32 scalar) and returns all keys and values. The caller advances its
-    index. Positions past ``max_len`` are not written (``dynamic_update_slice`` clamps
-    the start): size the cache for the whole generation."""
-    k_all = jax.lax.dynamic_update_slice(keys[...], k.astype(keys.dtype), (0, start, 0, 0))
-    v_all = jax.lax.dynamic_update_slice(values[...], v.astype(values.dtype), (0, start, 0, 0))
+def write(keys: KVCache, values: KVCache, start, k, v, owner: str):
+    """Writes k, v ``(batch, t, kv_heads, head_dim)`` into the caches at positions
+    ``start .. start + t - 1`` (``start`` an int32 scalar) and returns all keys and
+    values ``(batch, max_len, kv_heads, head_dim)``. The caller advances its index.
+
+    ``t <= max_len`` is checked here (a ValueError naming ``owner``); ``start + t <=
+    max_len`` cannot be checked while ``start`` is traced: positions past the end are
+    dropped (the slots before them keep their keys), and `nan_past_end` turns that
+    call's outputs (and every later call's) into NaN. Size the cache for the whole
+    generation (``flax_models.decode.generate`` does)."""
+    t, max_len = k.shape[1], keys.shape[1]
+    if t > max_len:
+        raise ValueError(f"{owner}: a decode call of {t} tokens does not fit the cache's max_len ({max_len}); "
+                         f"call init_cache with a larger max_len or pass fewer tokens per call")
+    slots = start + jnp.arange(t, dtype=jnp.int32)
+    k_all = keys[...].at[:, slots].set(k.astype(keys.dtype), mode="drop")
+    v_all = values[...].at[:, slots].set(v.astype(values.dtype), mode="drop")
     keys[...], values[...] = k_all, v_all
     return k_all, v_all
 
 
-def filled_mask(batch: int, max_len: int, position):
-    """bool (batch, max_len): the cache slots a token at ``position`` attends (0..position)."""
-    return jnp.broadcast_to(jnp.arange(max_len) <= position, (batch, max_len))
+def visible(start, t: int, max_len: int):
+    """bool ``(t, max_len)``: the cache slots each query of a decode call attends. The
+    call's tokens sit at positions ``start .. start + t - 1``; query ``i`` sees slot
+    ``j`` iff ``j <= start + i`` (the cached positions and its own call's earlier
+    tokens). One rule for a prefill from an empty cache, a chunk after cached positions
+    and a single new token."""
+    return jnp.arange(max_len)[None, :] <= start + jnp.arange(t)[:, None]
+
+
+def visible_bias(start, t: int, max_len: int):
+    """`visible` as an additive attention bias, float32 ``(1, 1, t, max_len)``: 0 where
+    a slot is seen, -inf elsewhere (``flash_attention``'s ``bias=``)."""
+    return jnp.where(visible(start, t, max_len), 0.0, -jnp.inf).astype(jnp.float32)[None, None]
+
+
+def nan_past_end(x, start, max_len: int):
+    """x ``(batch, t, ...)``, the attention output of a decode call starting at
+    ``start``, or NaN everywhere when the call runs past the cache's end (``start + t >
+    max_len``): its keys were not all written, so its results would be wrong."""
+    return jnp.where(start + x.shape[1] <= max_len, x, jnp.asarray(jnp.nan, x.dtype))
