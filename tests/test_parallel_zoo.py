@@ -2,8 +2,15 @@
 simulated CPU devices: the tiny GPT and BERT (4 heads, 2 layers) trained 3 steps with the
 fused AdamW, dropout on, against the same model on one device; the collectives and the
 per-device parameter bytes of a tensor-parallel encoder layer; the errors for sizes the
-tensor axis does not divide."""
+tensor axis does not divide.
+
+Compiling dominates here, so each model's one-device run is made once (a module-scoped
+fixture) and every run compiles its train step once: the step's state comes out with the
+shardings it went in with, so the second step does not compile again. The programs are
+compiled without LLVM's optimisations (`FAST_COMPILE`), the same for the one-device
+reference and the mesh runs."""
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +31,8 @@ DROPOUT = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
 # (mesh spec, Megatron sequence parallelism)
 MESHES = [("data=8", False), ("data=2,tensor=4", False), ("data=2,tensor=2", True)]
 TOL = dict(rtol=2e-5, atol=2e-6)
+# Halves the CPU compile time of these small programs; numerics are XLA's either way.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _batch(family, cfg, seed):
@@ -36,35 +45,51 @@ def _batch(family, cfg, seed):
     return batch
 
 
-def _step(model, opt, batch):
+def _step(graphdef, state, batch):
+    model, opt = nnx.merge(graphdef, state)
     (loss, _), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
     if not jax.sharding.get_abstract_mesh().empty:  # gradients laid out as their params
         grads = jax.lax.with_sharding_constraint(grads, nnx.get_partition_spec(grads))
     update_nnx(opt, model, grads)
-    return loss, grads
+    return nnx.state((model, opt)), loss, grads
 
 
 def _train(model, batches):
-    """(losses, gradients, final params) of `STEPS` fused-AdamW steps. ``eps`` is large
-    enough that a gradient of rounding size takes no step: the key bias's is zero but for
-    rounding (softmax ignores it), and Adam would turn its noise into full steps."""
-    opt = nnx.Optimizer(model, adamw(1e-2, eps=1e-4, weight_decay=0.01), wrt=nnx.Param)
-    step = nnx.jit(_step)
+    """(losses, gradients, final params) of `STEPS` fused-AdamW steps, compiled once.
+    ``eps`` bounds how much Adam magnifies a gradient's rounding (by at most lr / eps):
+    gradients far below eps, as the key bias's (zero but for rounding: softmax ignores
+    it) and those of tied-embedding rows no token uses, differ in their last bits between
+    one device and a mesh (other summation orders), and a small eps would turn that into
+    steps of visibly different sizes."""
+    opt = nnx.Optimizer(model, adamw(1e-2, eps=1e-3, weight_decay=0.01), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, opt))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    state = jax.device_put(state, shardings)  # committed, as the step's outputs are
+    step = jax.jit(functools.partial(_step, graphdef), out_shardings=(shardings, None, None),
+                   compiler_options=FAST_COMPILE)
     losses, grads = [], []
     for batch in batches:
-        loss, g = step(model, opt, batch)
+        state, loss, g = step(state, batch)
         losses.append(float(loss))
         grads.append(g)
+    assert step._cache_size() == 1  # one compilation for the three steps
+    model, _ = nnx.merge(graphdef, state)
     return losses, grads, nnx.state(model, nnx.Param)
 
 
-@functools.lru_cache(maxsize=None)
-def _single_device(family):
+def _one_device(family):
+    """One family's config, initial state, batches, and its one-device run."""
     cfg = fm.get_config(family, "tiny", **DROPOUT)
-    model = fm.build(cfg)
+    model = nnx.jit(lambda: fm.build(cfg))()  # one program, not one per initialiser
     start = jax.tree.map(jnp.copy, nnx.state(model))
     batches = [_batch(family, cfg, s) for s in range(STEPS)]
-    return cfg, start, batches, _train(model, batches)
+    return family, cfg, start, batches, _train(model, batches)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """family -> `_one_device(family)`, each run once in this module."""
+    return functools.cache(_one_device)
 
 
 def _close(got, want):
@@ -72,16 +97,20 @@ def _close(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
 
 
+def _mesh(spec):
+    sizes = parallel.parse_mesh_spec(spec)
+    return parallel.make_mesh(spec, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+
+
 # GPT on every mesh, BERT (post-LN, padding, the MLM bias split by vocabulary) on the last.
 @pytest.mark.parametrize("family,spec,sequence_parallel", [("gpt", *m) for m in MESHES] + [("bert", *MESHES[-1])])
-def test_zoo_trains_like_one_device(family, spec, sequence_parallel):
-    cfg, start, batches, (want_losses, want_grads, want_params) = _single_device(family)
-    sizes = parallel.parse_mesh_spec(spec)
-    mesh = parallel.make_mesh(spec, devices=jax.devices()[:np.prod(list(sizes.values()))])
+def test_zoo_trains_like_one_device(reference, family, spec, sequence_parallel):
+    _, cfg, start, batches, (want_losses, want_grads, want_params) = reference(family)
+    mesh = _mesh(spec)
     with jax.set_mesh(mesh):
         # the one-device model's initial state in the split layout, without initialising again
-        graphdef, shapes = nnx.split(nnx.eval_shape(
-            lambda: fm.build(cfg.replace(tensor_axis="tensor", sequence_parallel=sequence_parallel))))
+        split = cfg.replace(tensor_axis="tensor" if "tensor=" in spec else None, sequence_parallel=sequence_parallel)
+        graphdef, shapes = nnx.split(nnx.eval_shape(lambda: fm.build(split)))
         model = shard_module(nnx.merge(graphdef, tensor_parallel_state(start, shapes)), mesh)
         sharded = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
         losses, grads, params = _train(model, sharded)
@@ -98,10 +127,10 @@ def test_zoo_trains_like_one_device(family, spec, sequence_parallel):
 HIDDEN, FFN, HEADS = 64, 128, 4
 
 
-def _layer(tensor_axis=None, sequence_parallel=False):
+def _layer(tensor_axis=None, sequence_parallel=False, **options):
     return nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, attention_backend="xla", deterministic=True,
                                       tensor_axis=tensor_axis, sequence_parallel=sequence_parallel,
-                                      rngs=nnx.Rngs(0))
+                                      rngs=nnx.Rngs(0), **options)
 
 
 def _collectives(hlo):
@@ -109,23 +138,36 @@ def _collectives(hlo):
     return {n: hlo.count(f" {n}(") + hlo.count(f" {n}-start(") for n in names}
 
 
+@pytest.fixture(scope="module")
+def unsplit_layer():
+    """x (4, 8, HIDDEN), the unsplit layer's state and its causal output."""
+    x = jax.random.normal(jax.random.key(1), (4, 8, HIDDEN))
+    graphdef, state = nnx.split(nnx.jit(_layer)())  # initialised by one program
+    return x, state, jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, causal=True))(state, x)
+
+
+def _split_layer(unsplit_state, mesh, sequence_parallel):
+    """(graphdef, state placed on mesh, specs) of the tensor-parallel layer with the
+    unsplit one's values."""
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: _layer("tensor", sequence_parallel)))
+    specs = nnx.get_partition_spec(shapes)
+    state = tensor_parallel_state(unsplit_state, shapes)
+    return graphdef, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
+
+
 @pytest.mark.parametrize("sequence_parallel,expected", [
     (False, {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0}),
     (True, {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}),
 ])
-def test_layer_forward_collectives(sequence_parallel, expected):
+def test_layer_forward_collectives(unsplit_layer, sequence_parallel, expected):
+    x, unsplit, want = unsplit_layer
     mesh = parallel.make_mesh("data=2,tensor=4")
-    graphdef, state = nnx.split(_layer("tensor", sequence_parallel))
-    specs = nnx.get_partition_spec(state)
-    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    x = jax.random.normal(jax.random.key(1), (4, 8, HIDDEN))
+    graphdef, state, specs = _split_layer(unsplit, mesh, sequence_parallel)
     x_spec = P("data", "tensor") if sequence_parallel else P("data")
     fwd = jax.jit(jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x, causal=True), mesh=mesh,
-                                in_specs=(specs, x_spec), out_specs=x_spec))
-    want = _layer()(x, causal=True)
+                                in_specs=(specs, x_spec), out_specs=x_spec)).lower(state, x).compile(FAST_COMPILE)
     np.testing.assert_allclose(fwd(state, x), want, rtol=2e-5, atol=2e-5)
-    counts = _collectives(fwd.lower(state, x).compile().as_text())
-    assert counts == dict(expected, **{"all-to-all": 0, "collective-permute": 0})
+    assert _collectives(fwd.as_text()) == dict(expected, **{"all-to-all": 0, "collective-permute": 0})
 
 
 def test_layer_parameter_bytes_per_device_fall_as_one_over_tensor():
@@ -133,11 +175,10 @@ def test_layer_parameter_bytes_per_device_fall_as_one_over_tensor():
     for t in (1, 2, 4):
         mesh = parallel.make_mesh(f"data={8 // t},tensor={t}")
         with jax.set_mesh(mesh):
-            state = nnx.state(_layer("tensor"), nnx.Param)
-            state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                                       nnx.get_partition_spec(state)))
-        per_device = [(leaf.addressable_shards[0].data.nbytes, "tensor" in str(leaf.sharding.spec))
-                      for leaf in jax.tree.leaves(state)]
+            state = nnx.state(nnx.eval_shape(lambda: _layer("tensor")), nnx.Param)
+        per_device = [(math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape)) * leaf.dtype.itemsize,
+                       "tensor" in str(spec))
+                      for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(nnx.get_partition_spec(state)))]
         split[t] = sum(b for b, s in per_device if s)
         whole[t] = sum(b for b, s in per_device if not s)
     assert split[1] == split[2] * 2 == split[4] * 4
@@ -154,10 +195,10 @@ def test_sizes_the_tensor_axis_does_not_divide():
         with pytest.raises(ValueError, match=r"ffn_size \(130\) must be a multiple of the size \(4\)"):
             nn.TransformerEncoderLayer(HIDDEN, 130, HEADS, tensor_axis="tensor", rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match=r"Embedding: vocab_size \(510\) must be a multiple of the size \(4\)"):
-            fm.build(fm.get_config("gpt", "tiny", vocab_size=510, tensor_axis="tensor"))
+            nnx.eval_shape(lambda: fm.build(fm.get_config("gpt", "tiny", vocab_size=510, tensor_axis="tensor")))
         with pytest.raises(ValueError, match=r"sequence length \(6\) must be a multiple of the size \(4\)"):
-            layer = _layer("tensor", sequence_parallel=True)
-            jax.jit(lambda x: layer(x))(jnp.zeros((2, 6, HIDDEN)))
+            layer = nnx.eval_shape(lambda: _layer("tensor", sequence_parallel=True))
+            jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 6, HIDDEN), jnp.float32))
 
 
 def test_bad_parallel_options():
@@ -165,6 +206,6 @@ def test_bad_parallel_options():
         nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_parallel=True)
     with pytest.raises(TypeError, match="LayerConfig: tensor_axis must be None or a mesh axis name"):
         nn.LayerConfig(HIDDEN, FFN, HEADS, tensor_axis=4)
-    layer = _layer("tensor")
+    layer = nnx.eval_shape(lambda: _layer("tensor"))
     with pytest.raises(ValueError, match="TransformerEncoderLayer: tensor_axis='tensor' needs a mesh with that axis"):
-        layer(jnp.zeros((2, 8, HIDDEN)))
+        jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 8, HIDDEN), jnp.float32))
