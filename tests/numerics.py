@@ -16,6 +16,11 @@ def rel_err(x, truth) -> float:
     return float(np.linalg.norm((x - truth).ravel()) / max(np.linalg.norm(truth.ravel()), 1e-30))
 
 
+def assert_close(a, b, tol: float):
+    """Elementwise equal within ``tol``, absolute and relative (compared in float64)."""
+    np.testing.assert_allclose(f64(a), f64(b), rtol=tol, atol=tol)
+
+
 def assert_within_2x(name: str, out, xla_out, truth, floor: float = 1e-7):
     """The kernel's error against the float64 truth is at most twice the error of the
     XLA reference computed in the same dtype (plus a tiny floor for exact cases)."""
@@ -23,10 +28,12 @@ def assert_within_2x(name: str, out, xla_out, truth, floor: float = 1e-7):
     assert e_kernel <= 2.0 * e_xla + floor, f"{name}: kernel error {e_kernel:.3e} > 2 x XLA error {e_xla:.3e}"
 
 
-def mesh8(axis: str = "data") -> Mesh:
+def mesh8(*axes: str, shape: tuple = (8,)) -> Mesh:
+    """The 8 (simulated) devices as a mesh of ``shape`` named ``axes`` (default: one
+    "data" axis of 8)."""
     devices = np.array(jax.devices()[:8])
     assert devices.size == 8, "needs --xla_force_host_platform_device_count=8"
-    return Mesh(devices, (axis,))
+    return Mesh(devices.reshape(shape), axes or ("data",))
 
 
 def shard(x, mesh, *spec):

@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ls2 import _random
 from jax_ls2.ops import bias_act_dropout, bias_dropout_residual, dropout, embedding, softmax_dropout
+from numerics import mesh8
 
 # The modules (jax_ls2.ops re-exports functions of the same names).
 dropout_ops = importlib.import_module("jax_ls2.ops.dropout")
@@ -142,7 +143,7 @@ def test_row_map_limits_and_bad_shard_spec():
     strides = _random.row_major_strides((4,) * 9)
     with pytest.raises(ValueError, match="more than the kernels'"):
         _random.row_map(many, strides)
-    mesh = _mesh()
+    mesh = mesh8("data", "model", shape=(2, 4))
     x = jnp.ones((4, 8, 16))
     bad = jax.shard_map(lambda x: dropout(x, rate=RATE, key=KEY, shard_spec=("nope",)), mesh=mesh,
                         in_specs=P("data"), out_specs=P("data"))
@@ -154,10 +155,6 @@ def test_row_map_limits_and_bad_shard_spec():
 
 
 # ---------------------------------------------------------------- sharded ops
-def _mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-
-
 def _inputs():
     k = jax.random.split(jax.random.key(3), 10)
     x = jax.random.normal(k[0], (4, 8, 16))
@@ -221,7 +218,7 @@ def _check(outs, grads, causal):
 @pytest.mark.parametrize("name", list(SHARDINGS))
 def test_sharded_jit_draws_the_unsharded_masks_without_all_gather(name):
     x_spec, s_spec, ids_spec, causal = SHARDINGS[name]
-    mesh = _mesh()
+    mesh = mesh8("data", "model", shape=(2, 4))
     args = _inputs()
     specs = (x_spec, P(), x_spec, s_spec, ids_spec, P(), P(), x_spec, s_spec, P(*ids_spec, None))
     placed = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs)]
@@ -241,7 +238,7 @@ def test_sharded_jit_draws_the_unsharded_masks_without_all_gather(name):
 def test_shard_map_draws_the_unsharded_masks():
     """Inside shard_map, each device told its block (shard_spec) draws that block of the
     whole mask: along batch and sequence at once, and along heads; gradients too."""
-    mesh = _mesh()
+    mesh = mesh8("data", "model", shape=(2, 4))
     x_spec, s_spec, ids_spec = P("data", "model"), P("data", "model"), P("data", "model")
     args = _inputs()
     specs = (x_spec, P(), x_spec, s_spec, ids_spec, P(), P(), x_spec, s_spec, x_spec)

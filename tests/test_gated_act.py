@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ls2 import _random
 from jax_ls2.ops import gated_act_dropout
-from numerics import assert_within_2x, compiled_text, f64, mesh8, shard
+from numerics import assert_close, assert_within_2x, compiled_text, f64, mesh8, shard
 
 ACTS = ("swiglu", "geglu", "geglu_tanh")
 RATE = 0.1
@@ -41,10 +41,6 @@ def inputs(shape, dtype=jnp.float32, seed=0):
     return x, dy
 
 
-def close(a, b, tol=2e-6):
-    np.testing.assert_allclose(f64(a), f64(b), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("act", ACTS)
 def test_matches_plain_formula_with_and_without_dropout(act):
     @jax.jit
@@ -57,7 +53,7 @@ def test_matches_plain_formula_with_and_without_dropout(act):
 
     for shape in ((4, 32), (3, 5, 246)):
         for a, b, tol in run(*inputs(shape, seed=shape[-1])):
-            close(a, b, tol)
+            assert_close(a, b, tol)
 
 
 def test_deterministic_and_rate_zero_are_exactly_undropped():
@@ -85,7 +81,7 @@ def test_transformations():
     one = lambda x: gated_act_dropout(x, rate=RATE, key=KEY)
     v, alone = jax.jit(lambda x: (jax.vmap(one)(x), [one(x[i]) for i in range(x.shape[0])]))(x)
     for i in range(x.shape[0]):
-        close(v[i], alone[i], 0)
+        assert_close(v[i], alone[i], 0)
 
     def body(h, k):
         y = jax.checkpoint(lambda h: gated_act_dropout(h, activation="geglu", rate=RATE, key=k))(h)
@@ -100,7 +96,7 @@ def test_transformations():
             x = jnp.concatenate([y, y * 0.5], -1)
         return jnp.sum(x ** 2)
 
-    close(*jax.jit(lambda x: (jax.grad(scan_loss)(x), jax.grad(unrolled)(x)))(x), 1e-4)
+    assert_close(*jax.jit(lambda x: (jax.grad(scan_loss)(x), jax.grad(unrolled)(x)))(x), 1e-4)
 
 
 @pytest.mark.parametrize("spec", [("data",), (None, "data")], ids=["rows", "sequence"])
@@ -113,8 +109,8 @@ def test_sharded_jit_draws_the_unsharded_mask_without_all_gather(spec):
     val, grad = f(xs, dys)
     pv, pg = jax.jit(lambda x, dy: jax.value_and_grad(
         lambda x: jnp.sum(plain_gated(x, "geglu_tanh", mask(KEY, dy.shape, RATE), RATE) * dy))(x))(x, dy)
-    close(val, pv, 1e-5)
-    close(grad, pg, 1e-5)
+    assert_close(val, pv, 1e-5)
+    assert_close(grad, pg, 1e-5)
     assert tuple(grad.sharding.spec)[:len(spec)] == spec
     assert "all-gather" not in compiled_text(f, xs, dys)
 
@@ -128,7 +124,7 @@ def test_shard_map_with_shard_spec_draws_the_unsharded_mask():
     whole = lambda x: gated_act_dropout(x, rate=RATE, key=KEY)
     want = jax.jit(lambda x, dy: (whole(x), jax.vjp(whole, x)[1](dy)[0]))(x, dy)
     for a, b in zip(sm(x, dy), want):
-        close(a, b, 0)
+        assert_close(a, b, 0)
     with pytest.raises(ValueError, match=r"gated_act_dropout: x's last axis \(\[gate \| up\]\) cannot be split"):
         gated_act_dropout(x, rate=RATE, key=KEY, shard_spec=P(None, "data"))
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_ls2.ops import RotaryScaling, rotary, rotary_frequencies
-from numerics import assert_within_2x, compiled_text, f64, mesh8, shard
+from numerics import assert_close, assert_within_2x, compiled_text, f64, mesh8, shard
 
 
 def plain_inv_freq(rd, theta, scaling=None):
@@ -65,10 +65,6 @@ def inputs(b, s, h, kvh, d, dtype=jnp.float32, seed=0, max_pos=4096):
     return q, k, jnp.asarray(rng.integers(0, max_pos, (b, s), dtype=np.int32))
 
 
-def close(a, b, tol=2e-5):
-    np.testing.assert_allclose(f64(a), f64(b), rtol=tol, atol=tol)
-
-
 SCALINGS = [None, RotaryScaling("linear", 4.0), RotaryScaling("ntk", 8.0),
             RotaryScaling("llama3", 8.0, 1.0, 4.0, 8192), RotaryScaling("llama3", 32.0, 2.0, 8.0, 4096)]
 
@@ -99,11 +95,11 @@ def test_values_and_gradients_match_plain_formulas(dims, interleaved):
         return ours(q, k), plain(q, k), jax.grad(loss(ours), (0, 1))(q, k), jax.grad(loss(plain), (0, 1))(q, k)
 
     (qo, ko), (qp, kp), g_ours, g_plain = both(q, k)
-    close(qo, qp)
-    close(ko, kp)
+    assert_close(qo, qp, 2e-5)
+    assert_close(ko, kp, 2e-5)
     np.testing.assert_array_equal(qo[..., rd:], q[..., rd:])
     for a, c in zip(g_ours, g_plain):
-        close(a, c, 1e-4)
+        assert_close(a, c, 1e-4)
 
 
 def test_backward_rotates_back_and_packed_positions():
@@ -119,12 +115,12 @@ def test_backward_rotates_back_and_packed_positions():
         return out, vjp(out), alone
 
     (qo, ko), (qb, kb), (qa, ka) = run(q, k)
-    close(qb, q, 1e-5)
-    close(kb, k, 1e-5)
-    close(qo[:, 3:], qa, 1e-7)
-    close(ko[:, 3:], ka, 1e-7)
-    close(qo[:, 0], q[:, 0], 0)  # position 0 is the identity
-    close(qo[:, 3], q[:, 3], 0)
+    assert_close(qb, q, 1e-5)
+    assert_close(kb, k, 1e-5)
+    assert_close(qo[:, 3:], qa, 1e-7)
+    assert_close(ko[:, 3:], ka, 1e-7)
+    assert_close(qo[:, 0], q[:, 0], 0)  # position 0 is the identity
+    assert_close(qo[:, 3], q[:, 3], 0)
 
 
 def test_dtypes_and_wide_positions():
@@ -158,9 +154,9 @@ def test_transformations():
 
     per_ex, want, scan, plain_scan = run(q, k, pos)
     for a, c in zip(per_ex, want):
-        close(a, c, 1e-4)
+        assert_close(a, c, 1e-4)
     for a, c in zip(scan, plain_scan):
-        close(a, c, 2e-4)
+        assert_close(a, c, 2e-4)
 
 
 @pytest.mark.parametrize("spec", [("data",), (None, "data")], ids=["batch", "sequence"])
@@ -174,7 +170,7 @@ def test_sharded_jit_has_no_all_gather(spec):
     ref = jax.jit(jax.grad(lambda q, k: sum(jnp.sum(plain_rotary(t, pos, inv, False) ** 3) for t in (q, k)),
                            (0, 1)))(q, k)
     for a, c in zip(out, ref):
-        close(a, c, 1e-4)
+        assert_close(a, c, 1e-4)
     assert tuple(out[0].sharding.spec)[:len(spec)] == spec
     assert "all-gather" not in compiled_text(f, *args)
 
@@ -186,7 +182,7 @@ def test_shard_map_over_sequence():
     sm = jax.jit(jax.shard_map(lambda q, k, p: rotary(q, k, p), mesh=mesh, in_specs=(spec,) * 3,
                                out_specs=(spec, spec)))
     for a, c in zip(sm(q, k, pos), jax.jit(lambda q, k, p: rotary(q, k, p))(q, k, pos)):
-        close(a, c, 1e-6)
+        assert_close(a, c, 1e-6)
 
 
 def test_bad_inputs():
