@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kLnMaxThreads) LayerNormFp8Kernel(LayerNormFp8
   const int64_t stride = (int64_t)gridDim.x * blockDim.y;
   uint32_t amax = 0u;
   int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  // The trip count is the same for the whole block (RowSum2 synchronises it).
+  // The trip count is the same for the whole block (RowSum synchronises it).
   for (int64_t first = (int64_t)blockIdx.x * blockDim.y; first < a.rows; first += stride, row += stride) {
     const bool valid = row < a.rows;
     const int64_t off = (valid ? row : 0) * a.hidden;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kLnMaxThreads) LayerNormFp8Kernel(LayerNormFp8
       const int col = (i * blockDim.x + threadIdx.x) * VEC;
       if (valid && col < H) v[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.x) + off + col);
     }
-    float s = 0.f, unused = 0.f;
+    float s = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int col = (i * blockDim.x + threadIdx.x) * VEC;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kLnMaxThreads) LayerNormFp8Kernel(LayerNormFp8
         for (int j = 0; j < VEC; ++j) s += ToFloat(v[i].v[j]);
       }
     }
-    RowSum2(s, unused, scratch);
+    RowSum(s, scratch);
     const float mean = s / H;
     float ss = 0.f;
 #pragma unroll
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kLnMaxThreads) LayerNormFp8Kernel(LayerNormFp8
         }
       }
     }
-    RowSum2(ss, unused, scratch);
+    RowSum(ss, scratch);
     const float rstd = rsqrtf(ss / H + a.eps);
     if (valid) {
       uint8_t* y = static_cast<uint8_t*>(a.y) + off;
@@ -202,16 +202,16 @@ __global__ void __launch_bounds__(kLnLoopThreads) LayerNormFp8LoopKernel(LayerNo
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t off = row * H;
     const T* x = static_cast<const T*>(a.x) + off;
-    float s = 0.f, unused = 0.f;
+    float s = 0.f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) s += ToFloat(x[c]);
-    RowSum2(s, unused, scratch);
+    RowSum(s, scratch);
     const float mean = s / H;
     float ss = 0.f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float d = ToFloat(x[c]) - mean;
       ss += d * d;
     }
-    RowSum2(ss, unused, scratch);
+    RowSum(ss, scratch);
     const float rstd = rsqrtf(ss / H + a.eps);
     uint8_t* y = static_cast<uint8_t*>(a.y) + off;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {

@@ -16,6 +16,7 @@
 #include "kernels/column_fold.cuh"
 #include "kernels/layer_norm.h"
 #include "kernels/layer_norm_rows.cuh"
+#include "kernels/row_launch.cuh"
 
 namespace jax_ls2 {
 namespace {
@@ -35,9 +36,6 @@ constexpr int kBwdStages = 3;   // shared-memory stages of the staged backward (
 // launch options for sweeps, LayerNormBwdLaunchOptions::elems): five arrays of that many floats.
 constexpr int BwdMaxThreads(int elems) { return elems <= 16 ? kBwdMaxThreads : 256; }
 constexpr int kLoopThreads = 512;
-
-template <typename T>
-__device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
 
 // ------------------------------------------------------------------ forward
 // Row group g of block b handles row b * ry + g, and rows gridDim.x * ry further on
@@ -68,13 +66,13 @@ __global__ void __launch_bounds__(FwdMaxThreads(ELEMS)) LayerNormFwdKernel(Layer
   };
 
   int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  // The trip count is the same for the whole block (RowSum2 synchronises it).
+  // The trip count is the same for the whole block (RowSum synchronises it).
   for (int64_t first = (int64_t)blockIdx.x * blockDim.y; first < a.rows; first += stride, row += stride) {
     const bool valid = row < a.rows;
     const int64_t off = (valid ? row : 0) * a.hidden;
     load(row);
     PackT v[ITEMS];
-    float s = 0.f, unused = 0.f;
+    float s = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int col = (i * blockDim.x + threadIdx.x) * VEC;
@@ -90,7 +88,7 @@ __global__ void __launch_bounds__(FwdMaxThreads(ELEMS)) LayerNormFwdKernel(Layer
         for (int j = 0; j < VEC; ++j) s += ToFloat(v[i].v[j]);
       }
     }
-    RowSum2(s, unused, scratch);
+    RowSum(s, scratch);
     const float mean = s / H;
     float ss = 0.f;
 #pragma unroll
@@ -104,7 +102,7 @@ __global__ void __launch_bounds__(FwdMaxThreads(ELEMS)) LayerNormFwdKernel(Layer
         }
       }
     }
-    RowSum2(ss, unused, scratch);
+    RowSum(ss, scratch);
     const float rstd = rsqrtf(ss / H + a.eps);
     if (valid) {
       T* y = static_cast<T*>(a.y) + off;
@@ -136,7 +134,7 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
   const int64_t H = a.hidden, off = row * H;
   const T* x = static_cast<const T*>(a.x) + off;
   const T* src = x;
-  float s = 0.f, unused = 0.f;
+  float s = 0.f;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float v = ToFloat(x[c]);
     if constexpr (RES) {
@@ -146,14 +144,14 @@ __global__ void LayerNormFwdLoopKernel(LayerNormFwdArgs a) {
     s += v;
   }
   if constexpr (RES) src = static_cast<const T*>(a.sum) + off;
-  RowSum2(s, unused, scratch);  // its __syncthreads also publishes the sum row
+  RowSum(s, scratch);  // its __syncthreads also publishes the sum row
   const float mean = s / H;
   float ss = 0.f;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     const float d = ToFloat(src[c]) - mean;
     ss += d * d;
   }
-  RowSum2(ss, unused, scratch);
+  RowSum(ss, scratch);
   const float rstd = rsqrtf(ss / H + a.eps);
   T* y = static_cast<T*>(a.y) + off;
   const T* g = static_cast<const T*>(a.gamma);
@@ -300,32 +298,6 @@ __global__ void LayerNormBwdLoopKernel(LayerNormBwdArgs a) {
       dx[c] = FromFloat<T>(o);
     }
   }
-}
-
-// Threads per row for the register path: a power of two covering the row with
-// `elems` elements per thread; 0 when the row does not fit in max_threads.
-// A power of two; with warp_multiple, a multiple of 32 once a row needs more than
-// one warp (the row reductions take either).
-int ThreadsPerRow(int64_t hidden, int vec, int elems, int max_threads, bool warp_multiple = false) {
-  const int64_t vecs = (hidden + vec - 1) / vec;
-  const int items = elems / vec > 0 ? elems / vec : 1;
-  const int64_t need = (vecs + items - 1) / items;
-  int tpr = 1;
-  while (tpr < need) tpr <<= 1;
-  if (warp_multiple && tpr > 32) tpr = (int)((need + 31) / 32 * 32);
-  return tpr <= max_threads ? tpr : 0;
-}
-
-template <typename T>
-bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-template <typename T>
-int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
-  constexpr int kVec = kPack<T>;
-  if (hidden % kVec != 0) return 1;
-  for (const void* p : ptrs)
-    if (p != nullptr && !Aligned<T>(p)) return 1;
-  return kVec;
 }
 
 }  // namespace

@@ -1,9 +1,33 @@
-// Row reductions shared by the LayerNorm kernels: a block of blockDim.y "row groups",
-// each of blockDim.x threads owning one row.
+// Row reductions shared by the row-wise kernels (LayerNorm, RMSNorm, the FP8 LayerNorm): a
+// block of blockDim.y "row groups", each of blockDim.x threads owning one row.
 #pragma once
 #include "kernels/common.cuh"
 
 namespace jax_ls2 {
+
+// v rounded to T and back, as a value stored in T reads.
+template <typename T>
+__device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
+
+// Sums a over the blockDim.x threads of this row group. All threads of the block must
+// call it. scratch: >= 64 * blockDim.y floats (the layout of RowSum2).
+__device__ __forceinline__ void RowSum(float& a, float* scratch) {
+  const int tpr = blockDim.x;
+  if (tpr <= 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      if (o < tpr) a += __shfl_xor_sync(0xffffffffu, a, o);
+    }
+    return;
+  }
+  a = WarpSum(a);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = tpr >> 5;
+  float* s = scratch + threadIdx.y * 64;
+  __syncthreads();
+  if (lane == 0) s[warp] = a;
+  __syncthreads();
+  a = WarpSum(lane < nw ? s[lane] : 0.f);
+}
 
 // Sums (a, b) over the blockDim.x threads of this row group. All threads of the
 // block must call it. scratch: >= 64 * blockDim.y floats.

@@ -14,6 +14,7 @@
 #include "kernels/common.cuh"
 #include "kernels/layer_norm_rows.cuh"
 #include "kernels/rms_norm.h"
+#include "kernels/row_launch.cuh"
 
 namespace jax_ls2 {
 namespace {
@@ -29,9 +30,6 @@ constexpr int kLoopThreads = 512;
 // Row groups wider than a warp reduce through shared memory, 64 floats each; there are at
 // most kMaxThreads / 64 of them in a block.
 constexpr int kScratch = 64 * (kMaxThreads / 64);
-
-template <typename T>
-__device__ __forceinline__ float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
 
 __device__ __forceinline__ float Weight(float g, bool unit_offset) { return unit_offset ? g + 1.f : g; }
 
@@ -53,7 +51,7 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormFwdKernel(RmsNormFwdArgs a
       if constexpr (RES) r[i] = *reinterpret_cast<const PackT*>(static_cast<const T*>(a.residual) + off + col);
     }
   }
-  float ss = 0.f, unused = 0.f;
+  float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int col = (i * blockDim.x + threadIdx.x) * VEC;
@@ -71,7 +69,7 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormFwdKernel(RmsNormFwdArgs a
       }
     }
   }
-  RowSum2(ss, unused, scratch);
+  RowSum(ss, scratch);
   const float rstd = rsqrtf(ss / H + a.eps);
   if (!valid) return;
 #pragma unroll
@@ -94,7 +92,7 @@ __global__ void __launch_bounds__(kLoopThreads) RmsNormFwdLoopKernel(RmsNormFwdA
   __shared__ float scratch[64];
   const int64_t H = a.hidden, off = (int64_t)blockIdx.x * H;
   const T* src = static_cast<const T*>(a.x) + off;
-  float ss = 0.f, unused = 0.f;
+  float ss = 0.f;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float v = ToFloat(src[c]);
     if constexpr (RES) {
@@ -104,7 +102,7 @@ __global__ void __launch_bounds__(kLoopThreads) RmsNormFwdLoopKernel(RmsNormFwdA
     ss = fmaf(v, v, ss);
   }
   if constexpr (RES) src = static_cast<const T*>(a.sum) + off;
-  RowSum2(ss, unused, scratch);  // its __syncthreads also publishes the sum row
+  RowSum(ss, scratch);  // its __syncthreads also publishes the sum row
   const float rstd = rsqrtf(ss / H + a.eps);
   const T* g = static_cast<const T*>(a.gamma);
   T* y = static_cast<T*>(a.y) + off;
@@ -166,7 +164,7 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
   const int64_t stride = (int64_t)gridDim.x * blockDim.y;
   int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   load(row);
-  // The trip count is the same for the whole block (RowSum2 synchronises it).
+  // The trip count is the same for the whole block (RowSum synchronises it).
   for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < a.rows; base += stride, row += stride) {
     const bool valid = row < a.rows;
     const float rstd = valid ? next_rstd : 0.f;
@@ -178,7 +176,7 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
     load(row + stride);
 
     float xh[ITEMS][VEC], dy[ITEMS][VEC];
-    float s = 0.f, unused = 0.f;
+    float s = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int col = (i * blockDim.x + threadIdx.x) * VEC;
@@ -203,7 +201,7 @@ __global__ void __launch_bounds__(kMaxThreads) RmsNormBwdKernel(RmsNormBwdArgs a
         dg[i][j] = fmaf(dy[i][j], xh[i][j], dg[i][j]);
       }
     }
-    RowSum2(s, unused, scratch);
+    RowSum(s, scratch);
     s *= inv_h;
     if (valid) {
       const int64_t off = row * a.hidden;
@@ -263,13 +261,13 @@ __global__ void __launch_bounds__(kLoopThreads) RmsNormBwdLoopKernel(RmsNormBwdA
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t off = row * H;
     const float rstd = a.rstd[row];
-    float s = 0.f, unused = 0.f;
+    float s = 0.f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float xh = ToFloat(x[off + c]) * rstd, d = DyAt<T>(a, off + c);
       s = fmaf(d * Weight(ToFloat(gamma[c]), a.unit_offset), xh, s);
       acc[c] = fmaf(d, xh, acc[c]);
     }
-    RowSum2(s, unused, scratch);
+    RowSum(s, scratch);
     s *= inv_h;
     T* dx = static_cast<T*>(a.dx) + off;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
@@ -279,27 +277,6 @@ __global__ void __launch_bounds__(kLoopThreads) RmsNormBwdLoopKernel(RmsNormBwdA
       dx[c] = FromFloat<T>(o);
     }
   }
-}
-
-// Threads per row group covering `hidden` with `elems` elements each: a power of two up
-// to a warp, then whole warps; 0 when more than kMaxThreads would be needed.
-int ThreadsPerRow(int64_t hidden, int vec, int elems) {
-  const int64_t vecs = (hidden + vec - 1) / vec;
-  const int items = elems / vec;
-  const int64_t need = (vecs + items - 1) / items;
-  int tpr = 1;
-  while (tpr < need && tpr < 32) tpr <<= 1;
-  if (need > 32) tpr = (int)((need + 31) / 32 * 32);
-  return tpr <= kMaxThreads ? tpr : 0;
-}
-
-template <typename T>
-int PickVec(int64_t hidden, std::initializer_list<const void*> ptrs) {
-  constexpr int kVec = kPack<T>;
-  if (hidden % kVec != 0) return 1;
-  for (const void* p : ptrs)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
-  return kVec;
 }
 
 // elems: kBwdWideElems or kBwdWideLongElems with 16-byte accesses (wide), else kBwdElems.
@@ -320,7 +297,8 @@ cudaError_t LaunchRmsNormFwd(const RmsNormFwdArgs& a, cudaStream_t stream) {
   constexpr int kVec = kPack<T>;
   const bool res = a.residual != nullptr;
   const bool wide = PickVec<T>(a.hidden, {a.x, a.residual, a.gamma, a.y, a.sum}) == kVec;
-  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, wide ? kFwdWideElems : kFwdElems);
+  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, wide ? kFwdWideElems : kFwdElems, kMaxThreads,
+                                /*warp_multiple=*/true);
   if (tpr == 0) {
     auto k = res ? RmsNormFwdLoopKernel<T, true> : RmsNormFwdLoopKernel<T, false>;
     k<<<(unsigned)a.rows, kLoopThreads, 0, stream>>>(a);
@@ -350,8 +328,9 @@ cudaError_t LaunchRmsNormBwd(const RmsNormBwdArgs& a, cudaStream_t stream) {
   bool wide = PickVec<T>(a.hidden, {a.x, a.dsum, a.gamma, a.dx}) == kVec;
   for (int m = 0; m < a.n_dy; ++m) wide = wide && PickVec<T>(a.hidden, {a.dy[m]}) == kVec;
   int elems = wide ? kBwdWideElems : kBwdElems;
-  if (wide && ThreadsPerRow(a.hidden, kVec, elems) == 0) elems = kBwdWideLongElems;
-  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, elems);
+  if (wide && ThreadsPerRow(a.hidden, kVec, elems, kMaxThreads, /*warp_multiple=*/true) == 0)
+    elems = kBwdWideLongElems;
+  const int tpr = ThreadsPerRow(a.hidden, wide ? kVec : 1, elems, kMaxThreads, /*warp_multiple=*/true);
   int parts = 0;
   if (tpr == 0) {
     parts = (int)std::min<int64_t>(a.rows, a.max_parts);
