@@ -30,22 +30,40 @@ from flax import nnx
 import jax_ls2.nn as ls2_nn
 from flax_models.gpt import GPT
 from flax_models.llama import Llama
+from flax_models.plain import layers as plain
 from jax_ls2.nn import kv_cache
 from jax_ls2.nn._common import matmul
 from jax_ls2.ops import bias_act_dropout, flash_attention
 
 
-def _is_ls2(module) -> bool:
-    return isinstance(module, ls2_nn.LayerNorm)
+def _library(gpt: GPT) -> str:
+    """"ls2" or "plain": the library of ``gpt``'s layers; raises for what decoding does not
+    cover (FP8 GEMMs, tensor parallelism, other layer types)."""
+    o, cfg = "GPTDecoding", gpt.cfg
+    if cfg.fp8 is not None:
+        raise ValueError(f"{o}: cfg.fp8 is not supported (decoding runs the GEMMs in the compute dtype, not "
+                         f"through the layers' FP8 metas); load its params into a GPT built with fp8=None to decode")
+    if cfg.tensor_axis is not None or cfg.sequence_parallel:
+        raise ValueError(f"{o}: cfg.tensor_axis / cfg.sequence_parallel are not supported (the cache holds "
+                         f"every head); load its params into a GPT built with tensor_axis=None to decode")
+    layers = list(gpt.decoder.layers)
+    if all(isinstance(layer, ls2_nn.TransformerEncoderLayer) for layer in layers):
+        return "ls2"
+    if all(isinstance(layer, plain.TransformerEncoderLayer) for layer in layers):
+        return "plain"
+    raise TypeError(f"{o}: the GPT's layers must all be jax_ls2.nn or all flax_models.plain "
+                    f"TransformerEncoderLayer, got {sorted({type(layer).__name__ for layer in layers})}")
 
 
 class GPTDecoding(nnx.Module):
     """A `GPT` with a decode cache: ``__call__(ids, decode=True)`` runs the GPT's own
-    embedding, layers (pre-LN self-attention and tanh-GELU FFN) and tied output on the
-    cache. The GPT's params are shared, not copied."""
+    embedding, layers and tied output on the cache, each layer as its settings say
+    (pre-LN or post-LN, its FFN activation), the final LayerNorm where the stack has one.
+    The GPT's params are shared, not copied. FP8 and tensor-parallel GPTs raise."""
 
     def __init__(self, gpt: GPT):
         self.gpt = gpt
+        self.library = _library(gpt)
         self.keys = self.values = self.index = nnx.data(None)
 
     def init_cache(self, batch: int, max_len: int, dtype=None):
@@ -55,12 +73,12 @@ class GPTDecoding(nnx.Module):
                              f"({cfg.max_len}, its learned positions), got {max_len}")
         layers = self.gpt.decoder.layers
         dtype = dtype or self.gpt.embed.dtype or layers[0].attn.qkv.kernel.dtype
-        cache_type = kv_cache.KVCache if _is_ls2(layers[0].attn_ln) else nnx.Cache
+        variable = kv_cache.KVCache if self.library == "ls2" else nnx.Cache
         caches = [kv_cache.new_cache(batch, max_len, cfg.num_heads, cfg.hidden_size // cfg.num_heads, dtype,
-                                     "GPTDecoding") for _ in layers]
-        self.keys = nnx.List([cache_type(k[...]) for k, _, _ in caches])
-        self.values = nnx.List([cache_type(v[...]) for _, v, _ in caches])
-        self.index = cache_type(jnp.zeros((), jnp.int32))
+                                     "GPTDecoding", variable=variable) for _ in layers]
+        self.keys = nnx.List([k for k, _, _ in caches])
+        self.values = nnx.List([v for _, v, _ in caches])
+        self.index = variable(jnp.zeros((), jnp.int32))
 
     def _attention(self, i, layer, h):
         b, t, hidden = h.shape
@@ -71,7 +89,7 @@ class GPTDecoding(nnx.Module):
         k_all, v_all = kv_cache.write(self.keys[i], self.values[i], start, k, v, "GPTDecoding")
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         max_len = k.shape[1]
-        if _is_ls2(layer.attn_ln):
+        if self.library == "ls2":
             ctx = flash_attention(q, k, v, bias=kv_cache.visible_bias(start, t, max_len))
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, max_len)[None, None],
@@ -80,13 +98,21 @@ class GPTDecoding(nnx.Module):
         return layer.attn.out(ctx.reshape(b, t, hidden))
 
     def _ffn(self, layer, h):
-        if _is_ls2(layer.attn_ln):
-            y, bias = matmul(h, layer.fc1, layer.config.dtype)
-            y = bias_act_dropout(y, bias, activation="gelu_tanh", rate=0.0, deterministic=True)
+        if self.library == "ls2":
+            y, bias = matmul(h, layer.fc1, layer.dtype)
+            y = bias_act_dropout(y, bias, activation=layer.activation, rate=0.0, deterministic=True)
         else:
             y = layer.fc1(h)
-            y = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(y.dtype)
+            y = plain.ACTIVATION_FNS[layer.activation](y.astype(jnp.float32)).astype(y.dtype)
         return layer.fc2(y)
+
+    @staticmethod
+    def _residual(layer, sub, ln, x):
+        """Pre-LN ``x + sub(ln(x))``, post-LN ``ln(x + sub(x))``, as the layer runs."""
+        if layer.pre_layer_norm:
+            return x + sub(ln(x)).astype(x.dtype)
+        y = sub(x)
+        return ln(x.astype(y.dtype) + y)
 
     def __call__(self, ids, *, decode: bool = True):
         if not decode:
@@ -98,10 +124,11 @@ class GPTDecoding(nnx.Module):
         x = self.gpt.embed(ids, positions=jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t)),
                            deterministic=True)
         for i, layer in enumerate(self.gpt.decoder.layers):
-            x = x + self._attention(i, layer, layer.attn_ln(x)).astype(x.dtype)
-            x = x + self._ffn(layer, layer.ffn_ln(x)).astype(x.dtype)
+            x = self._residual(layer, lambda h, i=i, layer=layer: self._attention(i, layer, h), layer.attn_ln, x)
+            x = self._residual(layer, lambda h, layer=layer: self._ffn(layer, h), layer.ffn_ln, x)
         self.index[...] = start + t
-        return self.gpt.embed.attend(self.gpt.decoder.final_ln(x))
+        final_ln = self.gpt.decoder.final_ln
+        return self.gpt.embed.attend(x if final_ln is None else final_ln(x))
 
 
 def for_decoding(model):

@@ -8,6 +8,7 @@ from flax import nnx
 
 import flax_models as fm
 from flax_models import decode
+from jax_ls2.fp8 import DelayedScaling
 from jax_ls2.nn import KVCache
 
 PROMPT, STEPS, BATCH = 4, 4, 2
@@ -76,6 +77,32 @@ def test_a_call_past_the_cache_end_is_nan_and_keeps_the_cache(family, impl):
     after = [np.asarray(a) for a in jax.tree.leaves(nnx.state(decoder, nnx.Cache)) if a.ndim == 4]
     for b, a in zip(before, after, strict=True):
         np.testing.assert_array_equal(a[:, :3], b[:, :3])
+
+
+@pytest.mark.parametrize("impl", ["ls2", "plain"])
+def test_gpt_decoding_follows_its_layers_settings(impl):
+    """A GPT whose stack is post-LN with ReLU and no final LayerNorm decodes (prefill,
+    then one token) to the logits of its own full forward."""
+    cfg = _cfg("gpt")
+    model = _model("gpt", impl)
+    model.decoder = fm.layer_library(impl).TransformerEncoder(
+        cfg.num_layers, final_layer_norm=False, **cfg.layer_options(pre_layer_norm=False, activation="relu"),
+        rngs=nnx.Rngs(7))
+    model.eval()
+    ids = _ids("gpt", 6, seed=5)
+    full = _full(model, ids)
+    decoder = decode.init_cache(model, BATCH, 6)
+    got = jnp.concatenate([decode.decode(decoder, ids[:, :5]), decode.decode(decoder, ids[:, 5:])], axis=1)
+    for i in range(6):  # fp32 both ways
+        assert _rel(got[:, i], full[:, i]) < 1e-5, f"position {i}"
+
+
+def test_gpt_decoding_raises_for_what_it_does_not_cover():
+    for overrides, what in ((dict(fp8=DelayedScaling()), r"cfg.fp8 is not supported"),
+                            (dict(tensor_axis="tensor"), r"cfg.tensor_axis / cfg.sequence_parallel are not supported")):
+        model = fm.build(_cfg("gpt").replace(**overrides), impl="ls2", train=False)
+        with pytest.raises(ValueError, match=f"GPTDecoding: {what}"):
+            decode.for_decoding(model)
 
 
 @pytest.mark.parametrize("family, impl", [("llama", "ls2"), ("gpt", "plain")])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 BACKENDS = ("auto", "cudnn", "xla")
-_ACT = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+ACTIVATION_FNS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
         "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
 
@@ -23,7 +23,11 @@ def Dropout(rate, *, deterministic=None, rngs=None):
     return nnx.Dropout(rate, deterministic=deterministic, rngs=rngs)
 
 
-def _pick(backend, dropout_active, q_len, k_len, head_dim, dtype):
+def attention_implementation(backend, dropout_active, q_len, k_len, head_dim, dtype):
+    """The attention the twins run for ``backend`` ("auto", "cudnn" or "xla"): "manual"
+    (einsum, softmax, nnx.Dropout) with active dropout, else the ``implementation`` of
+    ``jax.nn.dot_product_attention``; "auto" picks cuDNN where it applies (a GPU, fp16 or
+    bf16, head_dim a multiple of 8 up to 128, both lengths multiples of 64), else XLA."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if dropout_active:
@@ -69,7 +73,7 @@ class MultiHeadAttention(nnx.Module):
             k, v = kv[..., 0, :, :], kv[..., 1, :, :]
         det = deterministic if deterministic is not None else self.deterministic
         active = (not det) and self.attn_dropout > 0
-        impl = _pick(self.attention_backend, active, q.shape[1], k.shape[1], self.head_dim, q.dtype)
+        impl = attention_implementation(self.attention_backend, active, q.shape[1], k.shape[1], self.head_dim, q.dtype)
         mask = None if padding_mask is None else padding_mask[:, None, None, :].astype(bool)
         if impl != "manual":
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
@@ -118,7 +122,7 @@ class _Block(nnx.Module):
 
     def _ffn(self, h, det):
         y = self.fc1(h)
-        y = _ACT[self.activation](y.astype(jnp.float32)).astype(y.dtype)
+        y = ACTIVATION_FNS[self.activation](y.astype(jnp.float32)).astype(y.dtype)
         y = self.act_drop(y, deterministic=det)
         return self.fc2(y)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_models.plain.layers import LayerNorm, _pick
+from flax_models.plain.layers import LayerNorm, attention_implementation
 from jax_ls2.nn import kv_cache
 
 F32 = jnp.float32
@@ -131,7 +131,8 @@ class DecoderLayer(nnx.Module):
             p = self.attn_drop(jax.nn.softmax(s, axis=-1), deterministic=det).astype(v.dtype)
             return jnp.einsum("bnts,bsnh->btnh", p, v)
         # cuDNN's fused attention where it applies (as the other twins pick it), else XLA's.
-        impl = _pick("auto", False, q.shape[1], k.shape[1], self.head_dim, q.dtype) if mask is None else "xla"
+        impl = (attention_implementation("auto", False, q.shape[1], k.shape[1], self.head_dim, q.dtype)
+                if mask is None else "xla")
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
 
     def __call__(self, x, *, positions=None, segment_ids=None, deterministic=None, decode=False):
