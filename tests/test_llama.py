@@ -131,6 +131,21 @@ def test_rms_norm_residual_and_unit_offset_match_twin():
         _close(ours(x), want)
 
 
+def test_twin_defaults_agree():
+    """Unset epsilon is 1e-6 for RMSNorm (Hugging Face's rms_norm_eps default) and 1e-5
+    for LayerNorm in both forms; the cache dtype defaults to the compute dtype, else the
+    param dtype, in both."""
+    for norm, eps in (("rms", 1e-6), ("layer", 1e-5)):
+        ours, twin = (lib.DecoderLayer(H, F, HEADS, norm=norm, rngs=nnx.Rngs(0)) for lib in (ls2, plain))
+        assert ours.attn_norm.epsilon == twin.attn_norm.epsilon == ours.mlp_norm.epsilon == eps, norm
+        assert twin.mlp_norm.epsilon == eps, norm
+    for dtype, param_dtype in ((None, jnp.bfloat16), (jnp.float16, jnp.float32)):
+        for lib in (ls2, plain):
+            layer = lib.DecoderLayer(H, F, HEADS, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+            layer.init_cache(1, 4)
+            assert layer.cache_k.dtype == layer.cache_v.dtype == (dtype or param_dtype), (lib.__name__, dtype)
+
+
 def test_linen_front_ends_share_the_params():
     kw = BLOCKS["llama"]
     layer = linen_decoder.DecoderLayer(H, F, HEADS, **kw)

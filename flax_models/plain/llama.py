@@ -1,7 +1,8 @@
 """Plain-Flax twins of jax_ls2.nn.RMSNorm and jax_ls2.nn.DecoderLayer (no jax_ls2 ops):
 the same constructors and parameter trees, the math written with jnp and
 ``jax.nn.dot_product_attention``. The decode cache is Flax's own ``nnx.Cache``, written
-and masked by the jnp rules of `jax_ls2.nn.kv_cache`, so both forms decode alike."""
+and masked by the jnp rules of `jax_ls2.nn.kv_cache`, and the defaults are jax_ls2's
+constants, so both forms decode and initialise alike."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,8 @@ from flax import nnx
 
 from flax_models.plain.layers import LayerNorm, attention_implementation
 from jax_ls2.nn import kv_cache
+from jax_ls2.nn.config import EPSILON
+from jax_ls2.ops.rms_norm import RMS_EPSILON
 
 F32 = jnp.float32
 
@@ -29,7 +32,7 @@ class RMSNorm(nnx.Module):
     is ``scale`` or, with ``unit_offset`` (Gemma), ``1 + scale``. Param ``scale``
     (num_features,), ones (zeros with unit_offset)."""
 
-    def __init__(self, num_features, *, epsilon=1e-6, unit_offset=False, dtype=None,
+    def __init__(self, num_features, *, epsilon=RMS_EPSILON, unit_offset=False, dtype=None,
                  param_dtype=jnp.float32, rngs=None):
         del rngs
         self.num_features, self.epsilon, self.unit_offset, self.dtype = num_features, epsilon, unit_offset, dtype
@@ -84,7 +87,7 @@ class DecoderLayer(nnx.Module):
     """Twin of jax_ls2.nn.DecoderLayer (see there for the arguments and the parameters)."""
 
     def __init__(self, hidden_size, ffn_size, num_heads, *, num_kv_heads=None, head_dim=None,
-                 norm="rms", activation="swiglu", epsilon=1e-6, unit_offset=False,
+                 norm="rms", activation="swiglu", epsilon=None, unit_offset=False,
                  rope_theta=10000.0, rotary_dim=None, rope_scaling=None, interleaved=False,
                  attn_dropout=0.0, activation_dropout=0.0, hidden_dropout=0.0,
                  deterministic=None, dtype=None, param_dtype=jnp.float32,
@@ -96,6 +99,8 @@ class DecoderLayer(nnx.Module):
         self.rope = (rotary_dim or self.head_dim, rope_theta, rope_scaling)
         self.attn_dropout, self.deterministic, self.dtype = attn_dropout, deterministic, dtype
         lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        if epsilon is None:
+            epsilon = RMS_EPSILON if norm == "rms" else EPSILON
         if norm == "rms":
             make_norm = lambda: RMSNorm(hidden_size, epsilon=epsilon, unit_offset=unit_offset, dtype=dtype,
                                         param_dtype=param_dtype)

@@ -36,9 +36,10 @@ from jax_ls2.nn import kv_cache
 from jax_ls2.nn._common import check_hidden, check_rate, draw_key, resolve_deterministic, rng_stream
 from jax_ls2.nn.config import EPSILON
 from jax_ls2.nn.layers import LayerNorm
-from jax_ls2.nn.rms_norm import RMS_EPSILON, RMSNorm
+from jax_ls2.nn.rms_norm import RMSNorm
 from jax_ls2.ops import dropout, flash_attention, gated_act_dropout, rotary
 from jax_ls2.ops.gated_act import ACTIVATIONS as GATED_ACTIVATIONS
+from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
 
 NORMS = ("rms", "layer")

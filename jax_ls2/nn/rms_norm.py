@@ -7,13 +7,12 @@ from flax.nnx.nn import dtypes
 
 from jax_ls2.nn._common import check_hidden
 from jax_ls2.ops import rms_norm
-
-# LLaMA's RMSNorm epsilon (Hugging Face's default; LLaMA 2 and 3 checkpoints set 1e-5).
-RMS_EPSILON = 1e-6
+from jax_ls2.ops.rms_norm import RMS_EPSILON
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + epsilon) * w``.
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + epsilon) * w``; epsilon
+    defaults to `jax_ls2.ops.rms_norm.RMS_EPSILON` (1e-6).
 
     Param ``scale`` (num_features,): ones, or with ``unit_offset`` (Gemma, ``w = 1 +
     scale``) zeros. x: (..., num_features); statistics and math in float32; the output

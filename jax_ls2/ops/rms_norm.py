@@ -13,6 +13,9 @@ from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
 
 F32 = jnp.float32
+# The default epsilon: Hugging Face LlamaConfig's rms_norm_eps default (Gemma's too); LLaMA 2
+# and 3 checkpoints and Mistral's set 1e-5, which a converted config carries.
+RMS_EPSILON = 1e-6
 
 
 # ---------------------------------------------------------------- reference math
@@ -138,7 +141,7 @@ _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
-def rms_norm(x, gamma, *, epsilon: float = 1e-6, residual=None, copies: int = 1, return_input: bool = False,
+def rms_norm(x, gamma, *, epsilon: float = RMS_EPSILON, residual=None, copies: int = 1, return_input: bool = False,
              unit_offset: bool = False):
     """RMSNorm over the last axis: ``s * rsqrt(mean(s**2) + epsilon) * w``.
 
@@ -146,8 +149,9 @@ def rms_norm(x, gamma, *, epsilon: float = 1e-6, residual=None, copies: int = 1,
       x: ``(..., hidden)`` float32, float16 or bfloat16; any hidden size >= 1.
       gamma: ``(hidden,)`` floating; cast to ``x.dtype`` (as Flax does with ``dtype=``),
         its gradient comes back in its own dtype.
-      epsilon: added to the mean square (LLaMA's 1e-6 by default; Mistral and Gemma use 1e-5
-        and 1e-6).
+      epsilon: added to the mean square; default `RMS_EPSILON` (1e-6, the default of
+        Hugging Face's LlamaConfig and Gemma's value; LLaMA 2 and 3 and Mistral
+        checkpoints set 1e-5).
       residual: optional ``(..., hidden)`` in ``x.dtype``; then ``s = x + residual``
         (rounded to ``x.dtype``) is normalised instead of ``x``.
       copies: without ``residual``, return ``y`` this many times (2 to 4) as a tuple, one
