@@ -16,6 +16,7 @@ from flax.nnx.nn import dtypes
 
 from flax_models.configs import Config
 from flax_models.plain.stack import remat_call
+from jax_ls2.nn.decoder import INIT_STDDEV
 
 
 def segment_positions(segment_ids):
@@ -57,6 +58,10 @@ class Llama(nnx.Module):
         if cfg.fp8 is not None:
             raise ValueError("Llama: cfg.fp8 is not supported by the LLaMA-family model (no FP8 decoder layers); "
                              "leave fp8=None")
+        if cfg.tensor_axis is not None or cfg.sequence_parallel:
+            raise ValueError("Llama: cfg.tensor_axis / cfg.sequence_parallel are not supported by the LLaMA-family "
+                             "model (no tensor-parallel decoder layers); leave tensor_axis=None and "
+                             "sequence_parallel=False")
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.cfg, self.dtype = cfg, dtype
         scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0
@@ -73,7 +78,7 @@ class Llama(nnx.Module):
         if cfg.tie_embeddings:
             self.lm_head = nnx.data(None)
         else:
-            init = nnx.initializers.normal(0.02)
+            init = nnx.initializers.normal(INIT_STDDEV)
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), param_dtype))
         self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
 

@@ -153,6 +153,8 @@ def test_decode_errors():
     model = _model("llama", "ls2")
     with pytest.raises(ValueError, match="DecoderLayer: decode=True needs a cache; call init_cache"):
         model(_ids("llama", 3), decode=True)
+    with pytest.raises(ValueError, match="DecoderLayer.init_cache: max_len must be a positive int, got 0"):
+        decode.init_cache(model, BATCH, 0)
     with pytest.raises(ValueError, match=r"GPTDecoding.init_cache: max_len must be at most the model's max_len \(128"):
         decode.init_cache(_model("gpt", "plain"), 1, 129)
     with pytest.raises(ValueError, match="generate: temperature > 0 samples and needs key"):

@@ -170,11 +170,20 @@ def test_linen_front_ends_share_the_params():
     (dict(rotary_dim=7), "DecoderLayer: rotary_dim must be an even int from 2 to head_dim (16), got 7"),
     (dict(norm="layer", unit_offset=True), "DecoderLayer: unit_offset applies to norm='rms'"),
     (dict(attn_dropout=1.0), "DecoderLayer: attn_dropout must be in [0, 1), got 1.0"),
+    (dict(head_dim=0), "DecoderLayer: head_dim must be a positive int or None, got 0"),
 ])
 def test_decoder_layer_rejects_bad_settings(kw, message):
     with pytest.raises(ValueError) as e:
         ls2.DecoderLayer(H, F, HEADS, rngs=nnx.Rngs(0), **kw)
     assert message in str(e.value)
+
+
+def test_rms_norm_size_and_unsupported_llama_settings_raise():
+    with pytest.raises(ValueError, match="RMSNorm: num_features must be a positive int, got True"):
+        ls2.RMSNorm(True)
+    for overrides in (dict(tensor_axis="tensor"), dict(tensor_axis="tensor", sequence_parallel=True)):
+        with pytest.raises(ValueError, match=r"Llama: cfg.tensor_axis / cfg.sequence_parallel are not supported"):
+            fm.build(fm.get_config("llama", "tiny", **overrides), impl="ls2")
 
 
 def test_decoder_layer_rejects_bad_inputs():

@@ -15,6 +15,7 @@ from flax import nnx
 from flax_models.plain.layers import LayerNorm, attention_implementation
 from jax_ls2.nn import kv_cache
 from jax_ls2.nn.config import EPSILON
+from jax_ls2.nn.decoder import INIT_STDDEV
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 
 F32 = jnp.float32
@@ -91,7 +92,7 @@ class DecoderLayer(nnx.Module):
                  rope_theta=10000.0, rotary_dim=None, rope_scaling=None, interleaved=False,
                  attn_dropout=0.0, activation_dropout=0.0, hidden_dropout=0.0,
                  deterministic=None, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.normal(0.02), rngs):
+                 kernel_init=nnx.initializers.normal(INIT_STDDEV), rngs):
         self.hidden_size, self.ffn_size, self.num_heads = hidden_size, ffn_size, num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads

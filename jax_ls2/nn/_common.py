@@ -23,6 +23,14 @@ def check_rate(owner: str, name: str, rate: float) -> float:
     return rate
 
 
+def check_positive_int(owner: str, name: str, value, allow_none: bool = False):
+    """Raises unless ``value`` is a positive Python int (or None with ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
 def check_activation(owner: str, activation: str) -> str:
     if activation not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -15,7 +15,7 @@ The families as settings (the rest as their checkpoints say)::
 
 Parameters (``nnx.Linear`` without bias, kernels (in, out)): ``attn_norm`` and
 ``mlp_norm`` (`RMSNorm` ``scale``, or `LayerNorm` ``scale``/``bias``), ``qkv`` (hidden,
-(heads + 2 * kv_heads) * head_dim) laid out [q | k | v] heads-major, ``out`` (heads *
+(heads + 2 * num_kv_heads) * head_dim) laid out [q | k | v] heads-major, ``out`` (heads *
 head_dim, hidden), ``gate_up`` (hidden, 2 * ffn) laid out [gate | up], ``down`` (ffn,
 hidden). The plain-Flax twin ``flax_models.plain.DecoderLayer`` has the same tree.
 
@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ls2.nn import kv_cache
-from jax_ls2.nn._common import check_hidden, check_rate, draw_key, resolve_deterministic, rng_stream
+from jax_ls2.nn._common import (check_hidden, check_positive_int, check_rate, draw_key, resolve_deterministic,
+                                rng_stream)
 from jax_ls2.nn.config import EPSILON
 from jax_ls2.nn.layers import LayerNorm
 from jax_ls2.nn.rms_norm import RMSNorm
@@ -45,13 +46,6 @@ from jax_ls2.ops.rotary import RotaryScaling
 NORMS = ("rms", "layer")
 # Hugging Face's LLaMA initializer_range: every projection kernel ~ N(0, 0.02).
 INIT_STDDEV = 0.02
-
-
-def _positive_int(owner, name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
 class DecoderLayer(nnx.Module):
@@ -91,9 +85,9 @@ class DecoderLayer(nnx.Module):
                  param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), rngs: nnx.Rngs):
         o = "DecoderLayer"
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_heads", num_heads)):
-            _positive_int(o, name, value)
-        _positive_int(o, "num_kv_heads", num_kv_heads, allow_none=True)
-        _positive_int(o, "head_dim", head_dim, allow_none=True)
+            check_positive_int(o, name, value)
+        check_positive_int(o, "num_kv_heads", num_kv_heads, allow_none=True)
+        check_positive_int(o, "head_dim", head_dim, allow_none=True)
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"{o}: num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")

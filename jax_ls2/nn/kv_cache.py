@@ -1,7 +1,7 @@
 """The decode cache of the decoder layers: `KVCache`, a variable type of its own.
 
 A layer's cache is three `KVCache` variables: keys and values ``(batch, max_len,
-kv_heads, head_dim)`` and the number of positions written so far (an int32 scalar).
+num_kv_heads, head_dim)`` and the number of positions written so far (an int32 scalar).
 They are state, never params: ``nnx.state(model, KVCache)`` selects them,
 ``nnx.split(model, nnx.Param, KVCache, ...)`` keeps them apart from the weights, and an
 optimizer built on ``nnx.Param`` never sees them. `KVCache` is an ``nnx.Cache``, so code
@@ -12,26 +12,27 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_ls2.nn._common import check_positive_int
+
 
 class KVCache(nnx.Cache):
     """Keys, values or the write position of one attention layer's decode cache."""
 
 
-def new_cache(batch: int, max_len: int, kv_heads: int, head_dim: int, dtype, owner: str, variable=KVCache):
+def new_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, owner: str, variable=KVCache):
     """Zeroed (keys, values, index) cache variables of type ``variable`` (`KVCache`, or
     ``nnx.Cache`` for the plain-Flax twins); checks the sizes with ``owner``'s name."""
     for name, value in (("batch", batch), ("max_len", max_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}.init_cache: {name} must be a positive int, got {value!r}")
-    shape = (batch, max_len, kv_heads, head_dim)
+        check_positive_int(f"{owner}.init_cache", name, value)
+    shape = (batch, max_len, num_kv_heads, head_dim)
     return (variable(jnp.zeros(shape, dtype)), variable(jnp.zeros(shape, dtype)),
             variable(jnp.zeros((), jnp.int32)))
 
 
 def write(keys: KVCache, values: KVCache, start, k, v, owner: str):
-    """Writes k, v ``(batch, t, kv_heads, head_dim)`` into the caches at positions
+    """Writes k, v ``(batch, t, num_kv_heads, head_dim)`` into the caches at positions
     ``start .. start + t - 1`` (``start`` an int32 scalar) and returns all keys and
-    values ``(batch, max_len, kv_heads, head_dim)``. The caller advances its index.
+    values ``(batch, max_len, num_kv_heads, head_dim)``. The caller advances its index.
 
     ``t <= max_len`` is checked here (a ValueError naming ``owner``); ``start + t <=
     max_len`` cannot be checked while ``start`` is traced: positions past the end are

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_ls2.nn._common import check_hidden
+from jax_ls2.nn._common import check_hidden, check_positive_int
 from jax_ls2.ops import rms_norm
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 
@@ -27,8 +27,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, num_features: int, *, epsilon: float = RMS_EPSILON, unit_offset: bool = False,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         del rngs
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"RMSNorm: num_features must be a positive int, got {num_features!r}")
+        check_positive_int("RMSNorm", "num_features", num_features)
         self.num_features, self.epsilon, self.unit_offset = num_features, float(epsilon), unit_offset
         self.dtype = dtype
         init = jnp.zeros if unit_offset else jnp.ones
