@@ -234,52 +234,6 @@ __device__ __forceinline__ uint32_t DropoutWideWord(uint32_t hi, uint32_t k1) {
 // (u << 16) >= thr16, the high half iff h >= thr16 (one compare each, no extraction).
 __device__ __forceinline__ bool KeepLow(uint32_t h, uint32_t thr16) { return (h << 16) >= thr16; }
 __device__ __forceinline__ bool KeepHigh(uint32_t h, uint32_t thr16) { return h >= thr16; }
-struct DropoutSeed {
-  uint32_t k0, k1, offset;
-};
-// Keep flag for global element index g.
-__device__ __forceinline__ bool DropoutKeep(uint32_t g, const DropoutSeed& s, uint32_t threshold) {
-  const uint32_t h = DropoutHash(g & ~1u, s.k0, s.k1);
-  return (g & 1u) ? KeepHigh(h, threshold << 16) : KeepLow(h, threshold << 16);
-}
-// Keep flags of elements g0 .. g0 + VEC - 1 for even g0 and VEC (one hash per pair);
-// thr16 = threshold << 16.
-template <int VEC>
-__device__ __forceinline__ void KeepPairs(uint32_t g0, const DropoutSeed& s, uint32_t thr16, bool (&keep)[VEC]) {
-  static_assert(VEC % 2 == 0, "pairs");
-#pragma unroll
-  for (int k = 0; k < VEC / 2; ++k) {
-    const uint32_t h = DropoutHash(g0 + 2u * k, s.k0, s.k1);
-    keep[2 * k] = KeepLow(h, thr16);
-    keep[2 * k + 1] = KeepHigh(h, thr16);
-  }
-}
-// Keep flags of elements g0 .. g0 + VEC - 1; one hash per pair when g0 is even.
-template <int VEC>
-__device__ __forceinline__ void KeepVec(uint32_t g0, const DropoutSeed& s, uint32_t threshold,
-                                        bool (&keep)[VEC]) {
-  if constexpr (VEC % 2 == 0) {
-    if ((g0 & 1u) == 0u) return KeepPairs<VEC>(g0, s, threshold << 16, keep);
-  }
-  {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) keep[j] = DropoutKeep(g0 + j, s, threshold);
-  }
-}
-// Runs body(keep_of) once, keep_of(g0, keep) giving the keep flags of elements g0 ..
-// g0 + VEC - 1: one hash per pair when every g0 the body asks for is even (all_even),
-// else KeepVec. The choice is made once per thread instead of once per vector.
-template <int VEC, typename Body>
-__device__ __forceinline__ void WithKeepFlags(bool all_even, const DropoutSeed& s, uint32_t threshold, Body&& body) {
-  if constexpr (VEC % 2 == 0) {
-    if (all_even) {
-      const uint32_t thr16 = threshold << 16;
-      body([&](uint32_t g0, bool (&keep)[VEC]) { KeepPairs<VEC>(g0, s, thr16, keep); });
-      return;
-    }
-  }
-  body([&](uint32_t g0, bool (&keep)[VEC]) { KeepVec<VEC>(g0, s, threshold, keep); });
-}
 
 // ---------------------------------------------------------------- global numbering
 // The key words and the box's base number (see MaskRows), from the uint32[4] seed.
