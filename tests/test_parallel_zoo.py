@@ -11,6 +11,7 @@ compiled without LLVM's optimisations (`FAST_COMPILE`), the same for the one-dev
 reference and the mesh runs."""
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -128,9 +129,9 @@ HIDDEN, FFN, HEADS = 64, 128, 4
 
 
 def _layer(tensor_axis=None, sequence_parallel=False, **options):
-    return nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, attention_backend="xla", deterministic=True,
-                                      tensor_axis=tensor_axis, sequence_parallel=sequence_parallel,
-                                      rngs=nnx.Rngs(0), **options)
+    options = {"attention_backend": "xla", **options}
+    return nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, deterministic=True, tensor_axis=tensor_axis,
+                                      sequence_parallel=sequence_parallel, rngs=nnx.Rngs(0), **options)
 
 
 def _collectives(hlo):
@@ -146,10 +147,10 @@ def unsplit_layer():
     return x, state, jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, causal=True))(state, x)
 
 
-def _split_layer(unsplit_state, mesh, sequence_parallel):
+def _split_layer(unsplit_state, mesh, sequence_parallel, **options):
     """(graphdef, state placed on mesh, specs) of the tensor-parallel layer with the
     unsplit one's values."""
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: _layer("tensor", sequence_parallel)))
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: _layer("tensor", sequence_parallel, **options)))
     specs = nnx.get_partition_spec(shapes)
     state = tensor_parallel_state(unsplit_state, shapes)
     return graphdef, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
@@ -168,6 +169,54 @@ def test_layer_forward_collectives(unsplit_layer, sequence_parallel, expected):
                                 in_specs=(specs, x_spec), out_specs=x_spec)).lower(state, x).compile(FAST_COMPILE)
     np.testing.assert_allclose(fwd(state, x), want, rtol=2e-5, atol=2e-5)
     assert _collectives(fwd.as_text()) == dict(expected, **{"all-to-all": 0, "collective-permute": 0})
+
+
+# every dropout on, attention through the fused softmax
+DROPPING = dict(DROPOUT, attention_backend="fused")
+
+
+def _dropping_forward(graphdef):
+    return lambda s, x, key: nnx.merge(graphdef, s)(x, causal=True, deterministic=False, rngs=key)
+
+
+@pytest.fixture(scope="module")
+def dropping_layer(unsplit_layer):
+    """The key and the unsplit layer's causal output with dropout on."""
+    x, state, _ = unsplit_layer
+    key = jax.random.key(7)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: _layer(**DROPPING)))
+    return key, jax.jit(_dropping_forward(graphdef))(state, x, key)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_layer_dropout_on_shards(unsplit_layer, dropping_layer, sequence_parallel):
+    """With dropout on, the fused ops run on the heads, FFN features and (with sequence
+    parallelism) sequence parts of the tensor axis and draw the unsplit layer's masks:
+    under jit the forward has only the Megatron collectives, and no all-gather but the
+    column-parallel GEMMs' inputs; inside shard_map ``shard_spec`` gives each device its
+    block of the masks."""
+    x, unsplit, _ = unsplit_layer
+    key, want = dropping_layer
+    mesh = parallel.make_mesh("data=2,tensor=4")
+    graphdef, state, specs = _split_layer(unsplit, mesh, sequence_parallel, **DROPPING)
+    fwd = _dropping_forward(graphdef)
+    x_spec = P(None, "tensor") if sequence_parallel else P()
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", *x_spec[1:])))
+        compiled = jax.jit(fwd).lower(state, xs, key).compile(FAST_COMPILE)
+        np.testing.assert_allclose(compiled(state, xs, key), want, rtol=2e-5, atol=2e-5)
+    hlo = compiled.as_text()
+    # The CPU partitioner writes a reduce-scatter as an all-reduce and a slice.
+    assert _collectives(hlo) == {"all-reduce": 2, "all-gather": 2 if sequence_parallel else 0, "reduce-scatter": 0,
+                                 "all-to-all": 0, "collective-permute": 0}
+    # with sequence parallelism, the LayerNorm outputs before the q/k/v and fc1 GEMMs
+    # (this data part, the whole length): nothing of FFN or heads width
+    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+    assert gathered == (["f32[2,8,64]"] * 2 if sequence_parallel else [])
+    # inside shard_map the batch stays whole: the layer knows the tensor axis only
+    inside = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(specs, x_spec, P()), out_specs=x_spec),
+                     compiler_options=FAST_COMPILE)
+    np.testing.assert_allclose(inside(state, x, key), want, rtol=2e-5, atol=2e-5)
 
 
 def test_layer_parameter_bytes_per_device_fall_as_one_over_tensor():

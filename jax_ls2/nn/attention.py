@@ -26,8 +26,8 @@ from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
                                 check_tensor_parallel, matmul, promoted_dtype, require_tensor_axis,
                                 resolve_deterministic, rng_stream)
-from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
-                                     row_parallel_linear)
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
+                                     column_parallel_linear, row_parallel_linear)
 
 BACKENDS = ("auto", "cudnn", "fused", "xla")
 
@@ -66,7 +66,7 @@ def explicit_gemm_path(requested: str, *, dropout_active: bool, q_len: int, k_le
 
 
 def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=None,
-                   deterministic=True, backend="auto", seq_first: bool = False):
+                   deterministic=True, backend="auto", seq_first: bool = False, shard_spec=None):
     """Scaled dot-product attention.
 
     q: (batch, q_len, heads, head_dim); k, v: (batch, k_len, heads, head_dim), same dtype;
@@ -76,7 +76,9 @@ def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=No
     batch-first ones are transposed to (batch, heads, len, head_dim) first and back after.
     padding_mask: optional bool (batch, k_len), True = attend. causal: bottom-right aligned.
     Softmax statistics are fp32. Returns q's layout and dtype. The dropout mask is drawn
-    over the (batch, heads, q_len, k_len) probabilities in either layout.
+    over the (batch, heads, q_len, k_len) probabilities in either layout; inside
+    ``shard_map``, ``shard_spec`` says how those probabilities are split (as
+    `jax_ls2.ops.softmax_dropout`'s), so each device draws its block of the whole mask.
     """
     if seq_first:
         tq, b, n, h = q.shape
@@ -99,7 +101,7 @@ def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=No
     scores = jnp.einsum(f"{lay},{lay.replace('t', 's')}->bnts", q, k)
     softmax = ops.softmax_dropout if impl == "fused" else ops.xla_softmax_dropout
     probs = softmax(scores, scale=1.0 / math.sqrt(h), mask=mask, causal=causal, rate=rate,
-                    key=key, deterministic=not active)
+                    key=key, deterministic=not active, shard_spec=shard_spec if active else None)
     return jnp.einsum(f"bnts,{lay.replace('t', 's')}->{lay}", probs.astype(v.dtype), v)
 
 
@@ -131,9 +133,8 @@ class MultiHeadAttention(nnx.Module):
         `jax_ls2.parallel.ColumnParallelLinear` s with kernels ``(hidden, 3, hidden)``
         (``(hidden, hidden)``, ``(hidden, 2, hidden)``) and biases ``(3, hidden)``,
         split on the last dim (whole heads per device), and ``out`` a
-        `jax_ls2.parallel.RowParallelLinear`; each device attends with its heads.
-        Attention dropout then runs as the "xla" backend's softmax and
-        ``ops.dropout`` (the "fused" backend's mask), which shard along heads.
+        `jax_ls2.parallel.RowParallelLinear`; each device attends with its heads and
+        draws its heads' block of the unsplit layer's attention-dropout mask.
       sequence_parallel: with ``tensor_axis``, x and memory come split along the
         sequence (dim 1) over the tensor axis and are all-gathered before the
         projections; the output projection reduce-scatters along the sequence.
@@ -328,16 +329,16 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError(f"MultiHeadAttention: kv must have shape (..., {2 * self.hidden_size}) "
                                  f"(batch, k_len, ...; k_len first with seq_first), got {tuple(kv.shape)}")
             k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
-        backend = self.attention_backend
+        spec = None
         if self.tensor_axis is not None:
             require_tensor_axis("MultiHeadAttention", self.tensor_axis, {"num_heads": self.num_heads})
             if seq_first:
                 raise ValueError("MultiHeadAttention: tensor_axis needs batch-first x (seq_first=False)")
-            if backend in ("auto", "fused") and not deterministic and self.attn_dropout > 0:
-                backend = "xla"  # the fused softmax keeps only its first dim sharded
+            if bound_axis_size(self.tensor_axis) is not None:  # this device's heads of the probabilities
+                spec = (None, self.tensor_axis, None, None)
         ctx = attention_core(q, k, v, padding_mask=padding_mask, causal=causal,
                              rate=self.attn_dropout, key=key, deterministic=deterministic,
-                             backend=backend, seq_first=seq_first)
+                             backend=self.attention_backend, seq_first=seq_first, shard_spec=spec)
         return ctx.reshape(*ctx.shape[:-2], ctx.shape[-2] * self.head_dim)
 
     def _tensor_parallel_qkv(self, x, memory, kv):

@@ -31,8 +31,9 @@ class Embedding(nnx.Module):
     values), the lookup a masked local lookup and one all-reduce, and ``attend`` gives
     logits split by vocabulary (for ``CrossEntropyCriterion(tensor_axis=...)``). The
     positions, scale, padding and dropout then run as jnp with ``ops.dropout`` (the
-    fused op's float32 math and mask). ``sequence_parallel`` (with ``tensor_axis``): the
-    output comes split along the sequence over the tensor axis.
+    fused op's float32 math and mask; the fused op looks tokens up in a whole table).
+    ``sequence_parallel`` (with ``tensor_axis``): the output comes split along the
+    sequence over the tensor axis, each part with its block of the unsplit mask.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, max_positions: int | None = None,
@@ -95,9 +96,12 @@ class Embedding(nnx.Module):
             x = x + jnp.pad(sin, [(0, 0)] * (sin.ndim - 1) + [(0, self.hidden_size % 2)])
         if self.padding_idx is not None:
             x = jnp.where((jnp.clip(ids, 0, self.vocab_size - 1) == self.padding_idx)[..., None], 0.0, x)
+        spec = None
         if self.sequence_parallel:
             x = self._sequence_part(x)
-        return ops.dropout(x, rate=self.dropout, key=key, deterministic=det).astype(table.dtype)
+            if bound_axis_size(axis) is not None:  # this device's positions of the whole mask
+                spec = (None, axis, None)
+        return ops.dropout(x, rate=self.dropout, key=key, deterministic=det, shard_spec=spec).astype(table.dtype)
 
     def _sequence_part(self, x):
         """x (batch, len, hidden) split along len over the tensor axis: a sharding under

@@ -19,9 +19,8 @@ from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence)
-from jax_ls2.ops.dropout import _act
-from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
-                                     row_parallel_linear)
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
+                                     column_parallel_linear, row_parallel_linear)
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
@@ -185,15 +184,25 @@ class _Block(nnx.Module):
         return out if self.pre_layer_norm else ln(out, copies=next_uses)
 
     def _bias_dropout_residual(self, y, b, residual, det, key, seq_first):
-        """``residual + dropout(y + b)``: the fused op, or under sequence parallelism the
-        same float32 math and mask as jnp with ``ops.dropout`` (the fused op keeps only
-        its first dim sharded, so it would gather the sequence)."""
-        if not self.config.sequence_parallel:
-            return ops.bias_dropout_residual(y, b, residual, rate=self.hidden_dropout, key=key, deterministic=det,
-                                             seq_first=seq_first)
-        v = ops.dropout(y.astype(jnp.float32) + b.astype(jnp.float32), rate=self.hidden_dropout, key=key,
-                        deterministic=det)
-        return (residual.astype(jnp.float32) + v).astype(y.dtype)
+        """``residual + dropout(y + b)`` through the fused op; its mask is numbered by
+        global coordinates, so under sequence parallelism the sequence parts keep their
+        shards and draw the unsplit layer's mask."""
+        spec = self._shard_spec(y.ndim, 1 if self.config.sequence_parallel else None)
+        return ops.bias_dropout_residual(y, b, residual, rate=self.hidden_dropout, key=key, deterministic=det,
+                                         seq_first=seq_first, shard_spec=spec)
+
+    def _shard_spec(self, ndim: int, dim: int | None):
+        """Inside ``shard_map`` over the tensor axis, the ``shard_spec`` of a (..., features)
+        activation split over it along ``dim`` (None: whole), so the fused ops draw this
+        device's block of the unsplit mask; None under ``jit`` (the ops see the sharding)
+        and without tensor parallelism. Only the tensor axis is known to the layer: a
+        batch split over other manual axes draws each part's mask as a whole array's."""
+        axis = self.config.tensor_axis
+        if axis is None or dim is None or bound_axis_size(axis) is None:
+            return None
+        spec = [None] * ndim
+        spec[dim] = axis
+        return tuple(spec)
 
     def _check_copies(self, x, output_copies):
         """x, checked: an array, or (post-LN) the four copies a previous layer returned
@@ -276,16 +285,15 @@ class _Block(nnx.Module):
         return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
 
     def _tensor_parallel_ffn(self, h, det, key):
-        """Megatron MLP: column-parallel fc1, bias + activation + dropout on the FFN
-        features split over the tensor axis (jnp with ``ops.dropout``: the fused op's
-        float32 math and mask, sharded along features), row-parallel fc2. Returns (y, fc2
-        bias) as `matmul`."""
+        """Megatron MLP: column-parallel fc1, the fused bias + activation + dropout on the
+        FFN features split over the tensor axis (the unsplit layer's mask, nothing
+        gathered), row-parallel fc2. Returns (y, fc2 bias) as `matmul`."""
         c = self.config
         kw = dict(axis_name=c.tensor_axis, sequence_dim=self._seq_dim, dtype=self.dtype)
         w1, b1 = self.fc1.kernel[...], self.fc1.bias[...]
         y = column_parallel_linear(h, w1, None, **kw)
-        a = _act(y.astype(jnp.float32) + b1.astype(y.dtype).astype(jnp.float32), self.activation)
-        a = ops.dropout(a, rate=self.activation_dropout, key=key, deterministic=det).astype(y.dtype)
+        a = ops.bias_act_dropout(y, b1.astype(y.dtype), activation=self.activation, rate=self.activation_dropout,
+                                 key=key, deterministic=det, shard_spec=self._shard_spec(y.ndim, y.ndim - 1))
         w2, b2 = self.fc2.kernel[...], self.fc2.bias[...]
         return row_parallel_linear(a, w2, None, **kw), b2.astype(promoted_dtype(self.dtype, a, w2, b2))
 
