@@ -115,9 +115,18 @@ def _update_params(optimizer, model, grads, graph):
     if not isinstance(optimizer.tx, FusedGradientTransformation):
         optimizer.update(model, grads)
         return None
+    import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
-    params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
+    params = nnx.state(model, optimizer.wrt, graph=graph)
     grads = nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and not mesh.manual_axes:
+        # Gradients laid out as their params (by the params' partition specs): left
+        # free, the partitioner may lay out the backward pass so that a fused op's
+        # custom_partitioning (the LayerNorm's, in a tensor-parallel BERT) receives a
+        # sharding it cannot read (an AssertionError in explode_superdims).
+        grads = jax.lax.with_sharding_constraint(grads, nnx.as_pure(nnx.get_partition_spec(params)))
+    params = nnx.as_pure(params)
     check_no_fp8_meta("update_nnx", grads)
     new_params, new_state = apply_updates(optimizer.tx, grads, nnx.as_pure(optimizer.opt_state), params)
     nnx.update(model, new_params)
