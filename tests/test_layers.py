@@ -7,7 +7,9 @@ import pytest
 from flax import nnx
 
 from flax_models import plain
-from jax_ls2 import nn
+import jax_ls2.ops
+from jax_ls2 import _ffi, nn
+from jax_ls2._dispatch import forget_choices
 
 H, F, N = 32, 64, 4
 
@@ -210,8 +212,66 @@ def test_backend_selection():
     assert sel("xla", True) == "xla"
     with pytest.raises(ValueError, match="cudnn"):
         sel("cudnn", True)
+    assert sel("flash", False) == sel("flash", True) == "flash"  # "auto" never picks it
     with pytest.raises(ValueError, match="attention_backend"):
-        sel("flash", False)
+        sel("tiled", False)
+
+
+def _flash_and_xla(**kw):
+    """MultiHeadAttention with the "flash" backend and its "xla" twin (same params)."""
+    flash = nn.MultiHeadAttention(H, N, attention_backend="flash", rngs=nnx.Rngs(0, dropout=1), **kw)
+    xla = nn.MultiHeadAttention(H, N, attention_backend="xla", rngs=nnx.Rngs(0, dropout=1), **kw)
+    nnx.update(xla, nnx.state(flash, nnx.Param))
+    return flash, xla
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_backend_matches_xla(causal):
+    flash, xla = _flash_and_xla(deterministic=True)
+    x = _x((2, 7, H))
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
+    call = jax.jit(lambda m: m(x, padding_mask=pad, causal=causal))
+    _close(call(flash), call(xla), rtol=1e-5, atol=1e-5)
+    _close(_grads(flash, call), _grads(xla, call), rtol=1e-5, atol=1e-5)
+
+
+def test_flash_backend_dropout_draws_flash_attention_masks():
+    """With dropout the "flash" backend is ops.flash_attention with the call's key: its
+    own masks (numbered as flash attention numbers them), checked against the op called
+    on the module's projections."""
+    flash, _ = _flash_and_xla(attn_dropout=0.3, deterministic=False)
+    x, key = _x((2, 7, H)), jax.random.key(3)
+    pad = jnp.arange(7)[None, :] < jnp.array([[7], [3]])
+
+    def by_hand(m):
+        qkv = (x @ m.qkv.kernel[...] + m.qkv.bias[...]).reshape(2, 7, 3, N, H // N)
+        ctx = jax_ls2.ops.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], padding_mask=pad, causal=True,
+                                          rate=0.3, key=key)
+        return ctx.reshape(2, 7, H) @ m.out.kernel[...] + m.out.bias[...]
+    got = jax.jit(lambda m: m(x, padding_mask=pad, causal=True, rngs=key))(flash)
+    _close(got, jax.jit(by_hand)(flash), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, jax.jit(lambda m: m(x, padding_mask=pad, causal=True, deterministic=True))(flash))
+
+
+def test_flash_backend_lowers_to_the_flash_kernels(monkeypatch):
+    """A layer with attention_backend="flash" (bf16, head_dim 64), differentiated and
+    lowered for CUDA, calls the flash attention kernels (the targets declared
+    registered, as when the extension is built)."""
+    targets = ("jax_ls2_flash_attention_fwd", "jax_ls2_flash_attention_bwd")
+    monkeypatch.setattr(_ffi, "_load", lambda: (frozenset(targets), None))
+    forget_choices()
+    try:
+        layer = nn.TransformerEncoderLayer(128, 256, 2, attention_backend="flash", attn_dropout=0.1,
+                                           dtype=jnp.bfloat16, deterministic=False, rngs=nnx.Rngs(0, dropout=1))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        x = _x((2, 8, 128), dtype=jnp.bfloat16)
+        loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x, causal=True, rngs=jax.random.key(0)).astype(
+            jnp.float32))
+        text = jax.jit(jax.grad(loss)).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        forget_choices()
+    for t in targets:
+        assert f"custom_call @{t}" in text, t
 
 
 @pytest.mark.parametrize("kind", ["learned", "sinusoidal"])

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_ls2.ops import (bias_act_dropout, bias_dropout_residual, cross_entropy, dropout, embedding,
-                         layer_norm, linear_cross_entropy, softmax_dropout)
+                         flash_attention, layer_norm, linear_cross_entropy, softmax_dropout)
 
 __all__ = ["bias_act_dropout", "bias_dropout_residual", "cross_entropy", "dropout", "embedding",
-           "layer_norm", "linear_cross_entropy", "softmax_dropout", "xla_softmax_dropout"]
+           "flash_attention", "layer_norm", "linear_cross_entropy", "softmax_dropout", "xla_softmax_dropout"]
 
 _NEG = -1e30
 

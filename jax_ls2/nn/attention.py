@@ -8,9 +8,13 @@ Backends (``attention_backend``):
 * ``"xla"``: the XLA reference (``jax.nn.dot_product_attention(implementation="xla")``
   without dropout; the same GEMMs and a pure-jnp softmax + the shared dropout mask with
   it, so ``"xla"`` and ``"fused"`` draw identical masks).
+* ``"flash"``: ``jax_ls2.ops.flash_attention`` (tiled, nothing of size q_len x k_len in
+  memory on the GPU; padding masks, causal, dropout inside with its own mask numbering,
+  so its masks are not the ``"fused"`` / ``"xla"`` ones).
 * ``"auto"`` (default): cuDNN on a GPU where it applies (no active dropout, fp16/bf16,
   head_dim a multiple of 8 up to 128, lengths multiples of 64), otherwise ``"fused"``
-  when dropout is active, otherwise ``"xla"``.
+  when dropout is active, otherwise ``"xla"``. It never picks ``"flash"``, which is not
+  yet faster than those on the GPU.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_head
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
                                      column_parallel_linear, row_parallel_linear)
 
-BACKENDS = ("auto", "cudnn", "fused", "xla")
+BACKENDS = ("auto", "cudnn", "fused", "xla", "flash")
 
 
 def cudnn_applies(q_len: int, k_len: int, head_dim: int, dtype) -> bool:
@@ -89,6 +93,16 @@ def attention_core(q, k, v, *, padding_mask=None, causal=False, rate=0.0, key=No
     active = (not deterministic) and rate > 0.0
     impl = select_backend(backend, dropout_active=active, q_len=tq, k_len=tk, head_dim=h,
                           dtype=q.dtype)
+    if impl == "flash":
+        if shard_spec is not None and active:
+            raise ValueError("attention: attention_backend='flash' with dropout inside shard_map over the heads "
+                             "is not supported (its masks are numbered over the whole heads dim); use 'fused'")
+        if seq_first:
+            q, k, v = (t.swapaxes(0, 1) for t in (q, k, v))
+        mask = None if padding_mask is None else padding_mask.astype(bool)
+        out = ops.flash_attention(q, k, v, padding_mask=mask, causal=causal, rate=rate, key=key,
+                                  deterministic=not active)
+        return out.swapaxes(0, 1) if seq_first else out
     mask = None if padding_mask is None else padding_mask[:, None, None, :].astype(bool)
     if impl in ("cudnn", "xla") and not active:
         if causal and tq != tk:
@@ -123,7 +137,7 @@ class MultiHeadAttention(nnx.Module):
       hidden_size, num_heads: model width and heads (hidden_size % num_heads == 0).
       self_attention: True for self-attention (fused QKV), False for cross-attention.
       attn_dropout: attention-probability dropout rate.
-      attention_backend: "auto", "cudnn", "fused" or "xla" (see module docstring).
+      attention_backend: "auto", "cudnn", "fused", "xla" or "flash" (see module docstring).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       fp8: None or a `jax_ls2.fp8.DelayedScaling` (hidden_size a multiple of 16).
       fp8_amax_axes: mesh axes of the amax reduction inside ``shard_map`` (see

@@ -37,7 +37,7 @@ class LayerConfig:
         (attention probabilities, after the FFN activation, before each residual add),
         each in [0, 1).
       epsilon: LayerNorm epsilon (default 1e-5; ``flax.nnx.LayerNorm``'s is 1e-6).
-      attention_backend: "auto", "cudnn", "fused" or "xla" (see jax_ls2.nn.attention).
+      attention_backend: "auto", "cudnn", "fused", "xla" or "flash" (see jax_ls2.nn.attention).
       deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       fp8: None (default: no FP8) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM of
