@@ -422,7 +422,7 @@ def test_layer_config_errors_name_the_constructor():
     with pytest.raises(TypeError, match="TransformerEncoderLayer: pre_layer_norm must be a Python bool"):
         nn.TransformerEncoderLayer(H, F, N, pre_layer_norm="yes", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="LayerConfig: attention_backend must be one of"):
-        nn.LayerConfig(H, F, N, attention_backend="flash")
+        nn.LayerConfig(H, F, N, attention_backend="tiled")
     with pytest.raises(ValueError, match="LayerConfig.replace: attn_dropout must be in"):
         nn.LayerConfig(H, F, N).replace(attn_dropout=1.0)
 
