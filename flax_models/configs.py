@@ -31,6 +31,8 @@ class Config:
     num_heads, ffn_size and vocab_size must be multiples of its size.
     ``sequence_parallel``: with ``tensor_axis``, Megatron sequence parallelism
     (LayerNorm, dropout and residuals on sequence parts over the tensor axis).
+    ``sequence_axis``: None or the mesh axis (``"seq"``) the sequence is split over,
+    attention through ring attention (see ``jax_ls2.nn.LayerConfig``; GPT so far).
     """
     family: str
     vocab_size: int = 512
@@ -65,6 +67,7 @@ class Config:
     tie_embeddings: bool = False
     tensor_axis: str | None = None
     sequence_parallel: bool = False
+    sequence_axis: str | None = None
 
     def layer_options(self, **fixed) -> dict:
         """The keyword arguments of a layer stack (``lib.TransformerEncoder`` /
@@ -75,6 +78,8 @@ class Config:
             fixed = dict(fixed, fp8=self.fp8)
         if self.tensor_axis is not None:
             fixed = dict(fixed, tensor_axis=self.tensor_axis, sequence_parallel=self.sequence_parallel)
+        if self.sequence_axis is not None:
+            fixed = dict(fixed, sequence_axis=self.sequence_axis)
         return dict(hidden_size=self.hidden_size, ffn_size=self.ffn_size, num_heads=self.num_heads,
                     attn_dropout=self.attn_dropout, activation_dropout=self.activation_dropout,
                     hidden_dropout=self.hidden_dropout, epsilon=self.epsilon,

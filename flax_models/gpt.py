@@ -15,7 +15,10 @@ class GPT(nnx.Module):
     vocabulary-parallel embedding (its table the tied output head) and the
     vocabulary-parallel loss run split over that mesh axis; build and call the model
     under ``jax.set_mesh(mesh)`` and place its state by
-    ``nnx.get_partition_spec(nnx.state(model))`` (`jax_ls2.parallel.shard_module`)."""
+    ``nnx.get_partition_spec(nnx.state(model))`` (`jax_ls2.parallel.shard_module`).
+    ``cfg.sequence_axis``: the sequence split over that mesh axis (context
+    parallelism): the layers and the loss run on sequence parts, attention through
+    ring attention."""
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -25,7 +28,8 @@ class GPT(nnx.Module):
         self.decoder = lib.TransformerEncoder(
             cfg.num_layers, final_layer_norm=True,
             **cfg.layer_options(pre_layer_norm=True, activation="gelu_tanh"), **kw)
-        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **cfg.vocab_options(loss=True))
+        seq = {} if cfg.sequence_axis is None else {"sequence_axis": cfg.sequence_axis}
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **cfg.vocab_options(loss=True), **seq)
 
     def __call__(self, input_ids):
         return self.embed.attend(self.decoder(self.embed(input_ids), causal=True))

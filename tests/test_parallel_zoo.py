@@ -73,12 +73,15 @@ def _train(model, batches):
         grads.append(g)
     assert step._cache_size() == 1  # one compilation for the three steps
     model, _ = nnx.merge(graphdef, state)
+    _train.last_program = lambda: step.lower(state, batches[-1]).compile().as_text()
     return losses, grads, nnx.state(model, nnx.Param)
 
 
 def _one_device(family):
-    """One family's config, initial state, batches, and its one-device run."""
-    cfg = fm.get_config(family, "tiny", **DROPOUT)
+    """One family's config, initial state, batches, and its one-device run ("gpt-flash":
+    GPT with attention_backend="flash")."""
+    family, *flash = family.split("-")
+    cfg = fm.get_config(family, "tiny", **DROPOUT, **({"attention_backend": "flash"} if flash else {}))
     model = nnx.jit(lambda: fm.build(cfg))()  # one program, not one per initialiser
     start = jax.tree.map(jnp.copy, nnx.state(model))
     batches = [_batch(family, cfg, s) for s in range(STEPS)]
@@ -122,6 +125,27 @@ def test_zoo_trains_like_one_device(reference, family, spec, sequence_parallel):
     if "tensor=" in spec:  # the split weights stay split through the optimizer step
         qkv = params["decoder" if family == "gpt" else "encoder"]["layers"][0]["attn"]["qkv"]["kernel"]
         assert qkv.get_value().sharding.spec == P(None, None, "tensor")
+
+
+def test_gpt_on_sequence_shards_trains_like_one_device(reference):
+    """Tiny GPT with its sequence split over (seq 4): embeddings, LayerNorms, dropout,
+    FFN and loss on sequence parts, attention through the ring (flash blocks), against
+    the one-device model with attention_backend="flash" (the ring's dropout masks are
+    flash attention's); no all-gather in the compiled step."""
+    _, _, start, batches, (want_losses, want_grads, want_params) = reference("gpt-flash")
+    cfg = fm.get_config("gpt", "tiny", attention_backend="flash", sequence_axis="seq", **DROPOUT)
+    mesh = _mesh("seq=4")
+    with jax.set_mesh(mesh):
+        model = shard_module(nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: fm.build(cfg))), start), mesh)
+        sharded = [jax.device_put(b, NamedSharding(mesh, P(None, "seq"))) for b in batches]
+        losses, grads, params = _train(model, sharded)
+        hlo = _train.last_program()
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+    _close(params, want_params)
+    counts = _collectives(hlo)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] > 0, counts  # the ring, nothing gathered
 
 
 # ------------------------------------------------------------------ one tensor-parallel layer
@@ -255,6 +279,18 @@ def test_bad_parallel_options():
         nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_parallel=True)
     with pytest.raises(TypeError, match="LayerConfig: tensor_axis must be None or a mesh axis name"):
         nn.LayerConfig(HIDDEN, FFN, HEADS, tensor_axis=4)
+    with pytest.raises(ValueError, match="LayerConfig: sequence_axis .* attention_backend must be 'flash' or 'auto'"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", attention_backend="fused")
+    with pytest.raises(ValueError, match="LayerConfig: sequence_axis with tensor_axis is not supported"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", tensor_axis="tensor")
+    with pytest.raises(ValueError, match="TransformerDecoderLayer: sequence_axis is not supported in layers with "
+                                         "cross-attention"):
+        nnx.eval_shape(lambda: nn.TransformerDecoderLayer(HIDDEN, FFN, HEADS, sequence_axis="seq", rngs=nnx.Rngs(0)))
+    with jax.set_mesh(_mesh("seq=4")):
+        layer = nnx.eval_shape(lambda: _layer(sequence_axis="seq", attention_backend="flash"))
+        with pytest.raises(ValueError, match=r"TransformerEncoderLayer: the sequence length \(6\) must be a multiple "
+                                             r"of the size \(4\) of mesh axis 'seq'"):
+            jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 6, HIDDEN), jnp.float32))
     layer = nnx.eval_shape(lambda: _layer("tensor"))
     with pytest.raises(ValueError, match="TransformerEncoderLayer: tensor_axis='tensor' needs a mesh with that axis"):
         jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 8, HIDDEN), jnp.float32))

@@ -160,6 +160,23 @@ def check_tensor_parallel(owner: str, tensor_axis, sequence_parallel, sizes: dic
         check_divisible(owner, tensor_axis, sizes)
 
 
+def check_sequence_axis(owner: str, sequence_axis, attention_backend: str, tensor_axis=None, fp8=None) -> None:
+    """Checks ``sequence_axis`` (None or a mesh axis name) against the options it cannot
+    go with: attention other than "flash" / "auto" (the ring runs flash attention),
+    ``tensor_axis`` and ``fp8``."""
+    if sequence_axis is None:
+        return
+    if not isinstance(sequence_axis, str) or not sequence_axis:
+        raise TypeError(f"{owner}: sequence_axis must be None or a mesh axis name (a str such as 'seq'), "
+                        f"got {sequence_axis!r}")
+    if attention_backend not in ("auto", "flash"):
+        raise ValueError(f"{owner}: sequence_axis runs attention as ring attention over flash blocks; "
+                         f"attention_backend must be 'flash' or 'auto', got {attention_backend!r}")
+    if tensor_axis is not None or fp8 is not None:
+        raise ValueError(f"{owner}: sequence_axis with {'tensor_axis' if tensor_axis is not None else 'fp8'} "
+                         f"is not supported yet; leave one of them unset")
+
+
 def require_tensor_axis(owner: str, axis: str, sizes: dict) -> None:
     """At call time with tensor parallelism: the axis must be known (inside ``shard_map``
     or in the mesh set by ``jax.set_mesh``) and divide ``sizes``."""

@@ -27,9 +27,12 @@ from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn import _ops_compat as ops
+from jax.sharding import PartitionSpec as P
+
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
-                                check_tensor_parallel, matmul, promoted_dtype, require_tensor_axis,
-                                resolve_deterministic, rng_stream)
+                                check_sequence_axis, check_tensor_parallel, matmul, promoted_dtype,
+                                require_tensor_axis, resolve_deterministic, rng_stream, tensor_axis_size)
+from jax_ls2.parallel.ring_attention import ring_attention
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
                                      column_parallel_linear, row_parallel_linear)
 
@@ -152,14 +155,24 @@ class MultiHeadAttention(nnx.Module):
       sequence_parallel: with ``tensor_axis``, x and memory come split along the
         sequence (dim 1) over the tensor axis and are all-gathered before the
         projections; the output projection reduce-scatters along the sequence.
+      sequence_axis: self-attention only: None, or the mesh axis the sequence is split
+        over (see `jax_ls2.nn.LayerConfig`): attention then runs as
+        `jax_ls2.parallel.ring_attention` (flash blocks, contiguous chunks) inside
+        ``shard_map`` over that axis (directly where the axis is already manual), and
+        as ``attention_backend="flash"`` where the mesh does not split it.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, self_attention: bool = True,
                  attn_dropout: float = 0.0, attention_backend: str = "auto",
                  deterministic: bool | None = None, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), fp8=None, fp8_amax_axes=(),
-                 tensor_axis: str | None = None, sequence_parallel: bool = False, rngs: nnx.Rngs):
+                 tensor_axis: str | None = None, sequence_parallel: bool = False,
+                 sequence_axis: str | None = None, rngs: nnx.Rngs):
         self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
+        check_sequence_axis("MultiHeadAttention", sequence_axis, attention_backend, tensor_axis, fp8)
+        if sequence_axis is not None and not self_attention:
+            raise ValueError("MultiHeadAttention: sequence_axis applies to self-attention only")
+        self.sequence_axis = sequence_axis
         check_tensor_parallel("MultiHeadAttention", tensor_axis, sequence_parallel, {"num_heads": num_heads})
         if tensor_axis is not None and fp8 is not None:
             raise ValueError("MultiHeadAttention: fp8 with tensor_axis is not supported; leave one of them unset")
@@ -343,6 +356,11 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError(f"MultiHeadAttention: kv must have shape (..., {2 * self.hidden_size}) "
                                  f"(batch, k_len, ...; k_len first with seq_first), got {tuple(kv.shape)}")
             k, v = (t[..., 0, :, :] for t in self._split(kv.astype(q.dtype), 2))
+        if self.sequence_axis is not None:
+            if seq_first:
+                raise ValueError("MultiHeadAttention: sequence_axis needs batch-first x (seq_first=False)")
+            ctx = self._ring(q, k, v, padding_mask=padding_mask, causal=causal, key=key, deterministic=deterministic)
+            return ctx.reshape(*ctx.shape[:-2], ctx.shape[-2] * self.head_dim)
         spec = None
         if self.tensor_axis is not None:
             require_tensor_axis("MultiHeadAttention", self.tensor_axis, {"num_heads": self.num_heads})
@@ -354,6 +372,35 @@ class MultiHeadAttention(nnx.Module):
                              rate=self.attn_dropout, key=key, deterministic=deterministic,
                              backend=self.attention_backend, seq_first=seq_first, shard_spec=spec)
         return ctx.reshape(*ctx.shape[:-2], ctx.shape[-2] * self.head_dim)
+
+    def _ring(self, q, k, v, *, padding_mask, causal, key, deterministic):
+        """Attention over the sequence split across ``sequence_axis``: q, k, v (batch, len,
+        heads, head_dim), whole arrays under ``jit`` (split along len by the partitioner)
+        or this device's chunk inside ``shard_map`` over the axis."""
+        axis = self.sequence_axis
+        kw = dict(causal=causal, rate=self.attn_dropout, deterministic=deterministic or self.attn_dropout == 0)
+        if tensor_axis_size(axis) in (None, 1):  # no split: the single-device equivalent
+            return attention_core(q, k, v, padding_mask=padding_mask, key=key, backend="flash", **kw)
+        n = tensor_axis_size(axis)
+        if q.shape[1] % n:
+            raise ValueError(f"MultiHeadAttention: the sequence length ({q.shape[1]}) must be a multiple of the size "
+                             f"({n}) of mesh axis {axis!r} (sequence_axis); pad the sequence or change the mesh")
+        split = P(None, axis)
+        args, specs = [q, k, v], [split] * 3
+        if padding_mask is not None:
+            args.append(padding_mask)
+            specs.append(split)
+        if key is not None:
+            args.append(key)
+            specs.append(P())
+
+        def ring(q, k, v, *rest):
+            mask = rest[0] if padding_mask is not None else None
+            return ring_attention(q, k, v, axis_name=axis, padding_mask=mask, key=rest[-1] if key is not None else None,
+                                  impl="flash", balance="none", **kw)
+        if bound_axis_size(axis) is not None:
+            return ring(*args)
+        return jax.shard_map(ring, in_specs=tuple(specs), out_specs=split, axis_names={axis})(*args)
 
     def _tensor_parallel_qkv(self, x, memory, kv):
         """q, k, v (batch, len, heads here, head_dim) from column-parallel projections."""

@@ -16,7 +16,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_ls2.nn._common import check_activation, check_fp8, check_heads, check_rate, check_tensor_parallel
+from jax_ls2.nn._common import (check_activation, check_fp8, check_heads, check_rate, check_sequence_axis,
+                                check_tensor_parallel)
 from jax_ls2.nn.attention import BACKENDS
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
@@ -69,6 +70,14 @@ class LayerConfig:
         column-parallel GEMM and a reduce-scatter after each row-parallel one replace
         the all-reduces. The layer's x and output are then (batch, len, hidden) split
         along len over the tensor axis (inside ``shard_map``: this device's part).
+      sequence_axis: None (default) or the mesh axis (``jax_ls2.parallel.SEQ``,
+        "seq") the sequence is split over (context parallelism, under ``jit`` with the
+        mesh set): LayerNorm, dropout, residuals and the FFN run on sequence parts as
+        the partitioner keeps them (the fused ops draw the unsplit masks), and
+        self-attention runs as `jax_ls2.parallel.ring_attention` (impl "flash",
+        contiguous chunks) inside ``shard_map`` over the axis, its dropout masks those
+        of ``attention_backend="flash"`` on one device. Needs attention_backend "flash"
+        or "auto"; not with tensor_axis (yet), nor in cross-attention.
     """
     hidden_size: int
     ffn_size: int
@@ -87,6 +96,7 @@ class LayerConfig:
     fp8_amax_axes: tuple = ()
     tensor_axis: str | None = None
     sequence_parallel: bool = False
+    sequence_axis: str | None = None
 
     def __post_init__(self):
         for name, value in _checked("LayerConfig", _fields(self)).items():
@@ -153,6 +163,7 @@ def _checked(owner: str, f: dict) -> dict:
                           {"num_heads": f["num_heads"], "ffn_size": f["ffn_size"]})
     if f["tensor_axis"] is not None and f["fp8"] is not None:
         raise ValueError(f"{owner}: fp8 with tensor_axis is not supported; leave one of them unset")
+    check_sequence_axis(owner, f["sequence_axis"], f["attention_backend"], f["tensor_axis"], f["fp8"])
     return f
 
 

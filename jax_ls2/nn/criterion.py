@@ -7,8 +7,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import check_tensor_parallel, require_tensor_axis, tensor_axis_size
+from jax_ls2.nn._common import check_sequence_axis, check_tensor_parallel, require_tensor_axis, tensor_axis_size
 from jax_ls2.parallel.cross_entropy import vocab_parallel_cross_entropy
+from jax_ls2.parallel.mesh import DATA
 from jax_ls2.parallel.tensor import bound_axis_size
 
 
@@ -31,10 +32,17 @@ class CrossEntropyCriterion(nnx.Module):
     devices, never gathering the logits; hidden and labels are taken replicated over the
     axis (a sequence-split hidden is all-gathered). Already inside ``shard_map``, the
     mean is over this device's tokens. An axis of size 1 runs the unsplit op.
+
+    ``sequence_axis``: None, or the mesh axis the sequence (dim 1 of hidden and labels)
+    is split over: under ``jit`` with the mesh set, ``linear`` then runs inside
+    ``shard_map`` on this device's positions (and batch part, over the mesh's
+    ``"data"`` axis where it splits it), where the fused op would gather the sequence,
+    and combines the parts' sums and counts, so nothing is gathered; the result is the
+    mean over all counted tokens. Not together with ``tensor_axis``.
     """
 
     def __init__(self, *, label_smoothing: float = 0.0, ignore_index: int | None = None,
-                 z_loss: float = 0.0, tensor_axis: str | None = None):
+                 z_loss: float = 0.0, tensor_axis: str | None = None, sequence_axis: str | None = None):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"CrossEntropyCriterion: label_smoothing must be in [0, 1), "
                              f"got {label_smoothing}")
@@ -42,6 +50,8 @@ class CrossEntropyCriterion(nnx.Module):
         self.z_loss = float(z_loss)
         check_tensor_parallel("CrossEntropyCriterion", tensor_axis, False, {})
         self.tensor_axis = tensor_axis
+        check_sequence_axis("CrossEntropyCriterion", sequence_axis, "auto", tensor_axis)
+        self.sequence_axis = sequence_axis
 
     def __call__(self, logits, labels):
         if logits.shape[:-1] != labels.shape:
@@ -59,11 +69,47 @@ class CrossEntropyCriterion(nnx.Module):
                              f"got {tuple(labels.shape)}")
         if self.tensor_axis is not None and tensor_axis_size(self.tensor_axis) != 1:
             return self._vocab_parallel(hidden, weight, labels, bias)
+        axis = self.sequence_axis
+        if axis is not None and bound_axis_size(axis) is None and (tensor_axis_size(axis) or 1) > 1:
+            return self._sequence_parallel(hidden, weight, labels, bias)
         loss, count = ops.linear_cross_entropy(hidden, weight, labels, bias=bias,
                                                label_smoothing=self.label_smoothing,
                                                ignore_index=self.ignore_index, z_loss=self.z_loss,
                                                reduction="mean")
         return loss, jnp.asarray(count, jnp.float32)
+
+    def _sequence_parallel(self, hidden, weight, labels, bias):
+        """`linear` on sequence parts: each device's mean and count over its positions,
+        combined into the mean over all counted tokens."""
+        axis = self.sequence_axis
+        if hidden.ndim < 2:
+            raise ValueError(f"CrossEntropyCriterion.linear: with sequence_axis hidden must be (batch, len, ..., h), "
+                             f"got {tuple(hidden.shape)}")
+        kw = dict(label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, z_loss=self.z_loss,
+                  reduction="mean")
+
+        def local(hidden, weight, labels, *bias):
+            loss, count = ops.linear_cross_entropy(hidden, weight, labels, bias=bias[0] if bias else None, **kw)
+            count = jnp.asarray(count, jnp.float32)
+            total = jax.lax.psum(jnp.where(count > 0, loss * count, 0.0), axis)
+            count = jax.lax.psum(count, axis)
+            return total / jnp.maximum(count, 1.0), count
+        # Every mesh axis manual (the fused op's partitioning rule does not take a
+        # partly manual mesh), the batch over the data axis where the mesh splits it.
+        mesh = jax.sharding.get_abstract_mesh()
+        data = DATA if DATA != axis and mesh.shape.get(DATA, 1) > 1 else None
+        split = P(data, axis)
+        args = (hidden, weight, labels) + (() if bias is None else (bias,))
+        specs = (split, P(), split) + (() if bias is None else (P(),))
+
+        def whole(hidden, weight, labels, *bias):
+            loss, count = local(hidden, weight, labels, *bias)
+            if data is None:
+                return loss, count
+            total = jax.lax.psum(loss * count, data)
+            count = jax.lax.psum(count, data)
+            return total / jnp.maximum(count, 1.0), count
+        return jax.shard_map(whole, in_specs=specs, out_specs=(P(), P()))(*args)
 
     def _vocab_parallel(self, hidden, weight, labels, bias):
         axis = self.tensor_axis

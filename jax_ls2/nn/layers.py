@@ -18,7 +18,8 @@ from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
-                                require_tensor_axis, resolve_deterministic, rng_stream, split_sequence)
+                                require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
+                                tensor_axis_size)
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
                                      column_parallel_linear, row_parallel_linear)
 from jax_ls2.nn.attention import MultiHeadAttention
@@ -92,8 +93,11 @@ class _Block(nnx.Module):
         if c.tensor_axis is not None:
             attn.update(tensor_axis=c.tensor_axis, sequence_parallel=c.sequence_parallel)
         lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        if c.sequence_axis is not None and self._cross:
+            raise ValueError(f"{self._owner}: sequence_axis is not supported in layers with cross-attention yet")
         self.attn_ln = LayerNorm(c.hidden_size, **ln)
-        self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True, **attn)
+        self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True,
+                                       sequence_axis=c.sequence_axis, **attn)
         if self._cross:
             self.cross_ln = LayerNorm(c.hidden_size, **ln)
             self.cross_attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=False,
@@ -125,6 +129,12 @@ class _Block(nnx.Module):
 
     def _check_tensor_axis(self, x, seq_first: bool):
         c = self.config
+        axis = c.sequence_axis
+        if axis is not None and bound_axis_size(axis) is None:
+            n, length = tensor_axis_size(axis), (x[0] if isinstance(x, tuple) else x).shape[1]
+            if n and length % n:
+                raise ValueError(f"{self._owner}: the sequence length ({length}) must be a multiple of the size ({n}) "
+                                 f"of mesh axis {axis!r} (sequence_axis); pad the sequence or change the mesh")
         if c.tensor_axis is None:
             return
         require_tensor_axis(self._owner, c.tensor_axis, {"num_heads": c.num_heads, "ffn_size": c.ffn_size})

@@ -14,6 +14,8 @@ the layers then run batch-first, the decoder projects each layer's cross-attenti
 and values with its own column-parallel GEMM, and with ``sequence_parallel`` the stack
 splits x along the sequence over the tensor axis on entry (under ``jit``; inside
 ``shard_map`` x comes as this device's part) and returns it so split.
+``sequence_axis`` (context parallelism, see `LayerConfig`): the stack splits x along the
+sequence over that axis on entry and the layers keep it so split.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_ls2.nn._common import resolve_deterministic, split_sequence
+from jax_ls2.nn._common import resolve_deterministic, split_sequence, tensor_axis_size
 from jax_ls2.nn.config import LayerConfig, layer_config
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
 
@@ -73,9 +75,10 @@ def _seq_first(owner, stack, x, deterministic, memory=None) -> bool:
     takes batch-first operands as they are). The dropout ops number a sequence-first
     activation's elements in batch-first order, so masks do not depend on the layout and
     a batch-sharded sequence-first activation keeps its shards."""
-    if stack.config.tensor_axis is not None:
+    if stack.config.tensor_axis is not None or stack.config.sequence_axis is not None:
         if stack.layout == "seq":
-            raise ValueError(f"{owner}: tensor_axis needs layout 'batch' or 'auto' (batch-first), got 'seq'")
+            raise ValueError(f"{owner}: tensor_axis and sequence_axis need layout 'batch' or 'auto' (batch-first), "
+                             f"got 'seq'")
         return False
     if stack.layout == "seq":
         for name, a in (("x", x), ("memory", memory)):
@@ -104,7 +107,9 @@ def _copies_for_next(layers, i) -> int:
 
 def _enter(config: LayerConfig, x):
     """x as the layers take it: split along the sequence over the tensor axis under
-    sequence parallelism."""
+    sequence parallelism, or over ``sequence_axis`` (under ``jit``, where the mesh splits it)."""
+    if config.sequence_axis is not None and (tensor_axis_size(config.sequence_axis) or 1) > 1:
+        x = split_sequence(x, config.sequence_axis)
     return split_sequence(x, config.tensor_axis) if config.sequence_parallel else x
 
 
