@@ -24,6 +24,7 @@ py::dict Constants() {
   using namespace jax_ls2;
   py::dict d;
   d["kMaxPartialRows"] = kMaxPartialRows;
+  d["kMaskMaxRowDims"] = kMaskMaxRowDims;
   d["kDropoutIndexMul"] = kDropoutIndexMul;
   d["kMix32Mul1"] = kMix32Mul1;
   d["kMix32Mul2"] = kMix32Mul2;
