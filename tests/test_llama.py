@@ -171,11 +171,18 @@ def test_linen_front_ends_share_the_params():
     (dict(norm="layer", unit_offset=True), "DecoderLayer: unit_offset applies to norm='rms'"),
     (dict(attn_dropout=1.0), "DecoderLayer: attn_dropout must be in [0, 1), got 1.0"),
     (dict(head_dim=0), "DecoderLayer: head_dim must be a positive int or None, got 0"),
+    (dict(attention_backend="fused"), "DecoderLayer: attention_backend must be one of ('auto', 'flash', 'cudnn')"),
 ])
 def test_decoder_layer_rejects_bad_settings(kw, message):
     with pytest.raises(ValueError) as e:
         ls2.DecoderLayer(H, F, HEADS, rngs=nnx.Rngs(0), **kw)
     assert message in str(e.value)
+
+
+def test_decoder_layer_cudnn_backend_names_what_it_needs():
+    layer = ls2.DecoderLayer(H, F, HEADS, attention_backend="cudnn", deterministic=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="DecoderLayer: attention_backend='cudnn' does not take this call"):
+        layer(jnp.ones((1, 8, H), jnp.float32))
 
 
 def test_rms_norm_size_and_unsupported_llama_settings_raise():
@@ -289,11 +296,12 @@ GPU_BLOCKS = {"llama": dict(num_kv_heads=2), "gemma": dict(num_kv_heads=1, head_
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("block", sorted(GPU_BLOCKS))
-def test_gpu_decoder_layer_against_float64_truth(dtype, block):
+@pytest.mark.parametrize("attention, length", [("flash", 257), ("cudnn", 256)])
+def test_gpu_decoder_layer_against_float64_truth(dtype, block, attention, length):
     from numerics import assert_within_2x
-    hidden, ffn, heads, shape = 512, 1376, 8, (2, 257)
+    hidden, ffn, heads, shape = 512, 1376, 8, (2, length)
     kw = dict(GPU_BLOCKS[block], rngs=nnx.Rngs(0), deterministic=True)
-    ours = ls2.DecoderLayer(hidden, ffn, heads, dtype=dtype, **kw)
+    ours = ls2.DecoderLayer(hidden, ffn, heads, dtype=dtype, attention_backend=attention, **kw)
     params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(a.size), a.shape),
                           nnx.state(ours, nnx.Param))
     nnx.update(ours, params)

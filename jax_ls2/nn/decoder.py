@@ -2,8 +2,9 @@
 
 ``x + attn(norm(x))`` then ``+ mlp(norm(.))``, no biases anywhere: RMSNorm (or
 LayerNorm), rotary position embeddings on q and k (`jax_ls2.ops.rotary`), grouped-query
-causal attention through `jax_ls2.ops.flash_attention` (segment ids for packed
-sequences), and a gated MLP (`jax_ls2.ops.gated_act_dropout` on one ``[gate | up]``
+causal attention (cuDNN's fused attention where it applies, else
+`jax_ls2.ops.flash_attention`, which also takes segment ids for packed sequences and
+dropout), and a gated MLP (`jax_ls2.ops.gated_act_dropout` on one ``[gate | up]``
 GEMM). The residual add before the MLP's norm is fused into that norm (``residual=``).
 
 The families as settings (the rest as their checkpoints say)::
@@ -36,6 +37,7 @@ from jax_ls2.nn import kv_cache
 from jax_ls2.nn._common import (check_hidden, check_positive_int, check_rate, draw_key, resolve_deterministic,
                                 rng_stream)
 from jax_ls2.nn.config import EPSILON
+from jax_ls2.nn.attention import cudnn_applies
 from jax_ls2.nn.layers import LayerNorm
 from jax_ls2.nn.rms_norm import RMSNorm
 from jax_ls2.ops import dropout, flash_attention, gated_act_dropout, rotary
@@ -44,6 +46,7 @@ from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
 
 NORMS = ("rms", "layer")
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn")
 # Hugging Face's LLaMA initializer_range: every projection kernel ~ N(0, 0.02).
 INIT_STDDEV = 0.02
 
@@ -64,6 +67,11 @@ class DecoderLayer(nnx.Module):
       attn_dropout, activation_dropout, hidden_dropout: dropout on the attention
         probabilities, after the gated activation, and on each branch before its
         residual add.
+      attention_backend: "auto" (cuDNN through ``jax.nn.dot_product_attention`` when it
+        takes the call: a GPU, fp16/bf16, head_dim a multiple of 8 up to 128, length a
+        multiple of 64, no attention dropout, no segment ids, not decoding; otherwise
+        "flash"), "flash" (`jax_ls2.ops.flash_attention` always) or "cudnn" (an error
+        where cuDNN does not take the call).
       deterministic: dropout default (``model.train()`` / ``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       kernel_init: the projections' initializer (N(0, 0.02) as Hugging Face's LLaMA).
@@ -81,7 +89,8 @@ class DecoderLayer(nnx.Module):
                  epsilon: float | None = None, unit_offset: bool = False, rope_theta: float = 10000.0,
                  rotary_dim: int | None = None, rope_scaling: RotaryScaling | None = None,
                  interleaved: bool = False, attn_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 hidden_dropout: float = 0.0, deterministic: bool | None = None, dtype=None,
+                 hidden_dropout: float = 0.0, attention_backend: str = "auto",
+                 deterministic: bool | None = None, dtype=None,
                  param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), rngs: nnx.Rngs):
         o = "DecoderLayer"
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_heads", num_heads)):
@@ -116,6 +125,9 @@ class DecoderLayer(nnx.Module):
         self.attn_dropout = check_rate(o, "attn_dropout", attn_dropout)
         self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
         self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"{o}: attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        self.attention_backend = attention_backend
         self.deterministic, self.dtype = deterministic, dtype
         if norm == "rms":
             make_norm = lambda: RMSNorm(hidden_size, epsilon=epsilon, unit_offset=unit_offset, dtype=dtype,
@@ -164,6 +176,17 @@ class DecoderLayer(nnx.Module):
             if segment_ids is not None:
                 raise ValueError(f"{o}: segment_ids do not apply when decoding")
 
+    def _use_cudnn(self, length, dtype, dropout_active, masked) -> bool:
+        if self.attention_backend == "flash":
+            return False
+        applies = not (dropout_active or masked) and cudnn_applies(length, length, self.head_dim, dtype)
+        if self.attention_backend == "cudnn" and not applies:
+            raise ValueError("DecoderLayer: attention_backend='cudnn' does not take this call (it needs a GPU, "
+                             "fp16/bf16, head_dim a multiple of 8 up to 128, a length multiple of 64, no attention "
+                             f"dropout, no segment ids, no decoding); got length {length}, head_dim {self.head_dim}, "
+                             f"dtype {jnp.dtype(dtype).name}, dropout {dropout_active}, segments/decode {masked}")
+        return applies
+
     def __call__(self, x, *, positions=None, segment_ids=None, deterministic: bool | None = None, rngs=None,
                  decode: bool = False):
         self._check(x, positions, segment_ids, decode)
@@ -187,8 +210,12 @@ class DecoderLayer(nnx.Module):
             self.cache_index[...] = start + t
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
             attn = dict(bias=kv_cache.visible_bias(start, t, k.shape[1]))
-        ctx = flash_attention(q, k, v, rate=self.attn_dropout, key=k_attn, deterministic=det or k_attn is None,
-                              **attn)
+        dropout_active = not (det or k_attn is None) and self.attn_dropout > 0
+        if self._use_cudnn(t, q.dtype, dropout_active, segment_ids is not None or decode):
+            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:
+            ctx = flash_attention(q, k, v, rate=self.attn_dropout, key=k_attn, deterministic=not dropout_active,
+                                  **attn)
         if decode:
             ctx = kv_cache.nan_past_end(ctx, start, k.shape[1])
         a = self.out(ctx.reshape(b, t, nq * d))
