@@ -308,7 +308,7 @@ def test_cuda_lowering_adds_each_wgrad_gemm_straight_into_its_accumulator():
 
 
 def _accumulator_writers(hlo, shapes):
-    """Each instruction of the compiled program's entry computation that yields an f32
+    """Each instruction of the compiled program's entry computation (parameters aside) that yields an f32
     array of one of ``shapes``, as (kind, text): "cublaslt_beta1" (a cuBLASLt FP8 call
     whose C operand is added, beta = 1), "triton_f8_add" (a Triton GEMM fusion whose
     own computation takes FP8 operands into its dot and adds to it: the accumulate in the
@@ -325,7 +325,7 @@ def _accumulator_writers(hlo, shapes):
     found = []
     for line in bodies.get(entry, []):
         m = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = \(?f32\[(\d+),(\d+)\]", line)
-        if not m or (int(m.group(1)), int(m.group(2))) not in shapes:
+        if not m or (int(m.group(1)), int(m.group(2))) not in shapes or " parameter(" in line:
             continue
         callee = re.search(r"calls=%([\w.\-]+)", line)
         body = "\n".join(bodies.get(callee.group(1), [])) if callee else ""
@@ -355,6 +355,7 @@ def test_accumulator_writers_tell_epilogue_adds_from_separate_passes():
         'custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"beta":1}}',
         '  %c0 = (f32[48,16]{1,0}, s8[1024]{0}) custom-call(%g, %a), '
         'custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"beta":0}}',
+        "  %acc3 = f32[32,16]{1,0} parameter(4)",
         "  ROOT %s = f32[32,16]{1,0} fusion(%x, %y), kind=kLoop, calls=%loop_add_fusion",
         "}"])
     kinds = [kind for kind, _ in _accumulator_writers(hlo, {(16, 48), (48, 16), (32, 16)})]
