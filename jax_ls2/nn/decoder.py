@@ -69,8 +69,8 @@ class DecoderLayer(nnx.Module):
         residual add.
       attention_backend: "auto" (cuDNN through ``jax.nn.dot_product_attention`` when it
         takes the call: a GPU, fp16/bf16, head_dim a multiple of 8 up to 128, length a
-        multiple of 64, no attention dropout, no segment ids, not decoding; otherwise
-        "flash"), "flash" (`jax_ls2.ops.flash_attention` always) or "cudnn" (an error
+        multiple of 64, no attention dropout, no segment ids, not decoding; XLA's
+        attention over the masked cache when decoding; otherwise "flash"), "flash" (`jax_ls2.ops.flash_attention` always) or "cudnn" (an error
         where cuDNN does not take the call).
       deterministic: dropout default (``model.train()`` / ``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
@@ -211,7 +211,10 @@ class DecoderLayer(nnx.Module):
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
             attn = dict(bias=kv_cache.visible_bias(start, t, k.shape[1]))
         dropout_active = not (det or k_attn is None) and self.attn_dropout > 0
-        if self._use_cudnn(t, q.dtype, dropout_active, segment_ids is not None or decode):
+        if decode and self.attention_backend == "auto" and not dropout_active:
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, k.shape[1])[None, None],
+                                               implementation="xla")
+        elif self._use_cudnn(t, q.dtype, dropout_active, segment_ids is not None or decode):
             ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:
             ctx = flash_attention(q, k, v, rate=self.attn_dropout, key=k_attn, deterministic=not dropout_active,
