@@ -184,7 +184,9 @@ def test_gpu_masks_equal_reference(shape):
     dx = jax.jit(lambda x, dy: jax.vjp(lambda x: gated_act_dropout(x, rate=0.3, key=KEY), x)[1](dy)[0])(x, dy)
     keep = np.asarray(mask(KEY, dy.shape, 0.3))
     np.testing.assert_array_equal(np.asarray(y) != 0, keep)
-    np.testing.assert_array_equal(np.asarray(dx[..., shape[-1] // 2:]) != 0, keep)
+    # NumPy's float32 normals include exact zeros (one in (2048, 4096) at seed 4): there
+    # the up-gradient is 0 whatever the mask.
+    np.testing.assert_array_equal(np.asarray(dx[..., shape[-1] // 2:]) != 0, keep & (np.asarray(dy) != 0))
 
 
 @pytest.mark.sanitize
