@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS (e.g. "--models llama-small llama-1b"), DECODE_ARGS (bench_decode, e.g. "--models llama-1b"), NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
-# limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode) in seconds.
+# limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode) in seconds. JAX_LS2_COMMIT labels the rows (default the tree's git HEAD; give it when the files are newer than that HEAD).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
