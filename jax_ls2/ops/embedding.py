@@ -131,19 +131,15 @@ def _bwd_operands(ids, positions, dout, seed, offsets, *, pos_mode, vocab, max_p
     return dout, ids, positions, _kernel_seed(seed, offsets, strides), tok_order, pos_order
 
 
-def _dropping(static) -> bool:
-    return static["threshold"] != 0
-
-
 # ids come first in both kernels: the offsets are the ids' (every dim shardable); with
 # dropout active, vmap runs the examples one by one, each drawing its own mask.
 _I, _X, _P, _S, _O = Role(ROWS, 0), Role(ROWS, 1), Role(PARAM), Role(SEED), Role(OFFSETS)
 _FWD = FusedKernel("jax_ls2_embedding_fwd", _fwd_reference, operands=(_I, _I, _P, _P, _P, _S, _O), results=(_X,),
                    result_types=_fwd_types, attrs=_attrs, ffi_operands=_fwd_operands, vmap_method="broadcast_all",
-                   per_example=_dropping)
+                   per_example=_random.dropping)
 _BWD = FusedKernel("jax_ls2_embedding_bwd", _bwd_reference, operands=(_I, _I, _X, _S, _O),
                    results=(Role(SUM), Role(SUM)), result_types=_bwd_types, attrs=_attrs,
-                   ffi_operands=_bwd_operands, vmap_method="sequential", per_example=_dropping)
+                   ffi_operands=_bwd_operands, vmap_method="sequential", per_example=_random.dropping)
 
 
 # ---------------------------------------------------------------- custom_vjp
@@ -306,7 +302,7 @@ def embedding(ids, table, *, scale: float = 1.0, positions=None, pos_table=None,
     dropping = rate > 0.0 and not deterministic
     threshold = _random.dropout_threshold(rate) if dropping else 0
     keep = _random.keep_scale(rate) if dropping else 1.0
-    seed = _random.seed_words(key) if dropping else jnp.zeros((3,), jnp.uint32)
+    seed = _random.seed_words(key) if dropping else _random.no_seed()
     offsets, strides = _random.numbering(op, ids.shape + (hidden,), _out_spec(shard_spec, ids.ndim), threshold)
     offsets = offsets[:-1]  # the ids' dims; hidden is never split
     cfg = (float(scale), pos_mode, int(padding_idx or 0), padding_idx is not None, int(threshold), float(keep),

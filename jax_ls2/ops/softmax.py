@@ -88,10 +88,6 @@ def _bwd_types(dy, scores, *arrays, **static):
     return (result_type(scores),)
 
 
-def _dropping(static) -> bool:
-    return static["threshold"] != 0
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels(causal: bool):
     """(forward, backward). scores/dy/dx/y: (*batch, q, k), the k dim processed whole;
@@ -101,7 +97,7 @@ def _kernels(causal: bool):
     tail = 2 if causal else 1
     r, b, s, o = Role(ROWS, tail), Role(BCAST, tail), Role(SEED), Role(OFFSETS)
     options = dict(attrs=_attrs, ffi_operands=_random.kernel_operands, vmap_method="sequential",
-                   per_example=_dropping)
+                   per_example=_random.dropping)
     fwd = FusedKernel("jax_ls2_softmax_dropout_fwd", _fwd_reference, operands=(r, b, b, s, o), results=(r, r),
                       result_types=_fwd_types, **options)
     bwd = FusedKernel("jax_ls2_softmax_dropout_bwd", _bwd_reference, operands=(r, r, b, b, r, s, o),
@@ -229,7 +225,7 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
         seed = _random.seed_words(key)
         keep_scale = _random.keep_scale(rate)
     else:
-        seed = jnp.zeros((3,), jnp.uint32)
+        seed = _random.no_seed()
         keep_scale = 1.0
     if shard_spec is not None:
         spec = tuple(shard_spec) + (None,) * (len(shape) - len(tuple(shard_spec)))
