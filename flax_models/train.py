@@ -21,7 +21,8 @@ draws loss and throughput from them.
 
 ``--mesh data=..,tensor=..,seq=..,pipe=..`` trains on a device mesh
 (``jax_ls2.parallel.make_mesh``) over every device of every process: the batch split
-over the data axis, the state placed by its partition specs, the fused optimizer
+over the data axis, the sequence over the seq axis (GPT: attention through ring
+attention), the state placed by its partition specs, the fused optimizer
 updating the params where they lie (``--zero1`` also splits its state over the data
 axis). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``, or a Slurm / Open MPI job) ``jax.distributed`` is started first,
@@ -39,6 +40,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_models as fm
 from flax_models import data, training
@@ -115,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mesh", help="train on a device mesh over all devices of all processes, e.g. data=8 or "
                       "data=2,tensor=4 (axes: pipe, data, seq, tensor; unnamed axes size 1; the "
                       "sizes must multiply to the device count); tensor splits heads, FFN and "
-                      f"vocabulary ({', '.join(TENSOR_FAMILIES)}); seq and pipe above 1 are not "
-                      "supported yet (default: one device, no mesh)")
+                      f"vocabulary ({', '.join(TENSOR_FAMILIES)}); seq splits the sequence, "
+                      f"attention through ring attention ({', '.join(SEQ_FAMILIES)}); pipe above 1 "
+                      "is not supported yet (default: one device, no mesh)")
     a("--sequence-parallel", action="store_true",
       help="with --mesh tensor=N: Megatron sequence parallelism (LayerNorm, dropout and "
            "residuals on sequence parts over the tensor axis) (default: off)")
@@ -232,16 +236,20 @@ def config_from(args):
 
 
 # ---------------------------------------------------------------------------- the mesh
-UNSUPPORTED_AXES = (parallel.SEQ, parallel.PIPE)
+UNSUPPORTED_AXES = (parallel.PIPE,)
 """Mesh axes the zoo models cannot be split over yet (their size must be 1)."""
 TENSOR_FAMILIES = ("bert", "gpt", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
+SEQ_FAMILIES = ("gpt",)
+"""The families whose layers and loss run on sequence parts over the seq axis
+(``Config.sequence_axis``), attention through ring attention."""
 
 
-def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size):
+def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
     """(mesh, cfg) for ``--mesh``: (None, cfg) without it; else the mesh, checked against
-    the devices, the model and the batch (a mismatch is a usage error naming what to
-    change), and cfg split over its tensor axis when that is above 1."""
+    the devices, the model, the batch and the sequence length (a mismatch is a usage
+    error naming what to change), and cfg split over its tensor and seq axes where they
+    are above 1."""
     if args.mesh is None:
         if jax.process_count() > 1:
             p.error(f"{jax.process_count()} processes run; give --mesh (e.g. --mesh data={jax.device_count()}) "
@@ -271,12 +279,50 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size):
                 "is a multiple of the data size")
     unsupported = [f"{a}={sizes[a]}" for a in UNSUPPORTED_AXES if sizes[a] > 1]
     if unsupported:
-        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the seq or pipe axes is not "
-                "supported yet; use data and tensor (e.g. --mesh data="
+        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the pipe axis is not "
+                "supported yet; use data, seq and tensor (e.g. --mesh data="
                 f"{math.prod(sizes.values())})")
+    if sizes[parallel.SEQ] > 1:
+        check_sequence_split(p, args, cfg, sizes[parallel.SEQ], seq_len, tensor)
+        cfg = cfg.replace(sequence_axis=parallel.SEQ)
     if tensor > 1:
         cfg = cfg.replace(tensor_axis=parallel.TENSOR, sequence_parallel=args.sequence_parallel)
     return mesh, cfg
+
+
+def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_len: int,
+                         tensor: int) -> None:
+    """Usage errors for ``--mesh seq=size``: a model without a sequence-parallel path, a
+    sequence length it does not divide, and options the ring cannot go with."""
+    name = f"seq={size}"
+    if cfg.family not in SEQ_FAMILIES:
+        p.error(f"--mesh: {name}: {cfg.family} has no sequence-parallel path; it has for "
+                f"{', '.join(SEQ_FAMILIES)} (or use a mesh without seq)")
+    # the layers' ring holds contiguous chunks (balance "none"), one per device
+    if seq_len % size:
+        p.error(f"--mesh: {name} does not divide --seq {seq_len}; use a sequence length that is a multiple "
+                f"of {size}")
+    if args.sequence_parallel:
+        p.error(f"--mesh: {name} cannot be combined with --sequence-parallel (the sequence is already split "
+                "over the seq axis); drop one of them")
+    if tensor > 1:
+        p.error(f"--mesh: {name} cannot be combined with tensor above 1 yet; use data and seq")
+    if args.compare:
+        p.error(f"--mesh: {name} cannot be combined with --compare (the plain-Flax twin has no "
+                "sequence-parallel layers)")
+    if args.fp8:
+        p.error(f"--mesh: {name} cannot be combined with --fp8 (no FP8 layers on sequence parts yet)")
+    if args.attention_backend not in ("auto", "flash"):
+        p.error(f"--mesh: {name} runs attention as ring attention over flash blocks; use --attention-backend "
+                f"flash or auto, not {args.attention_backend}")
+
+
+def split_sequences(batch: dict, mesh, seq_len: int) -> dict:
+    """A batch placed by `training.shard_batch` with its (batch, seq_len) token arrays
+    also split along the sequence over the mesh's seq axis."""
+    split = NamedSharding(mesh, P(parallel.DATA, parallel.SEQ))
+    return {k: jax.device_put(v, split) if v.ndim == 2 and v.shape[1] == seq_len else v
+            for k, v in batch.items()}
 
 
 def describe_mesh(mesh) -> str:
@@ -381,7 +427,12 @@ def _train(args, cfg, batch_size, seq, *, impl, params_from, label, metrics, mes
     layout = training.optimizer_layout(graphdef, state)
     if layout:
         opt_name = f"{opt_name} (state split over {layout})"
-    place = (lambda b: b) if mesh is None else (lambda b: training.shard_batch(b, mesh))
+
+    def place(batch):
+        if mesh is None:
+            return batch
+        batch = training.shard_batch(batch, mesh)
+        return batch if cfg.sequence_axis is None else split_sequences(batch, mesh, seq)
     start = 0
     if args.resume:
         if training.latest_step(args.ckpt_dir) is None:
@@ -469,7 +520,7 @@ def main(argv=None):
     # then lists the devices of all of them
     parallel.initialize_distributed(cpu_collectives="gloo")
     cfg, batch_size, seq = config_from(args)
-    mesh, cfg = mesh_from(p, args, cfg, batch_size)
+    mesh, cfg = mesh_from(p, args, cfg, batch_size, seq)
     # with --fp8 the twin is jax_ls2 without FP8, else the other implementation
     twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")
     impls = [args.impl] + ([twin] if args.compare and twin != args.impl else [])

@@ -1,0 +1,89 @@
+"""The training command with ``--mesh seq=N``: GPT's sequence split over the seq axis
+(attention through ring attention), alone and with the data axis, prints the losses of
+the run without a mesh; what cannot be split over seq is a usage error."""
+import contextlib
+import io
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import flax_models as fm
+from flax_models import data, training
+from flax_models import train as T
+from jax_ls2 import parallel
+
+# the ring runs flash attention blocks, whose dropout masks are the one-device "flash"
+# backend's (not the "fused" ones "auto" picks under dropout on one device)
+RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3", "--dropout", "0.1",
+       "--attention-backend", "flash", "--eval-every", "0", "--log-every", "1"]
+
+
+def _main(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = T.main(argv)
+    return result, out.getvalue()
+
+
+def _printed_losses(out):
+    return re.findall(r"^ls2 step \d+/3 \| loss (\d+\.\d{4})", out, re.M)
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return _main(RUN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["seq=8", "data=2,seq=4"])
+def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
+    want, want_out = one_device_run
+    got, out = _main(RUN + ["--mesh", spec, "--zero1"])
+    assert f"mesh {spec} (8 devices, 1 processes)" in out
+    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    model, _ = nnx.merge(got["graphdef"], got["state"])
+    assert model.cfg.sequence_axis == "seq"
+
+
+@pytest.mark.slow
+def test_sequence_mesh_with_the_default_backend_trains():
+    """``--mesh data=2,seq=4`` with ``--attention-backend auto`` (no dropout, so the one-device
+    run's attention backend does not change the masks) prints the one-device losses."""
+    plain = [a for a in RUN if a not in ("--attention-backend", "flash")]
+    plain[plain.index("--dropout") + 1] = "0"
+    want, want_out = _main(plain)
+    got, out = _main(plain + ["--mesh", "data=2,seq=4"])
+    assert _printed_losses(out) == _printed_losses(want_out)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+
+
+def test_token_arrays_are_split_over_data_and_seq():
+    mesh = parallel.make_mesh("data=2,seq=4")
+    cfg = fm.get_config("gpt", "tiny")
+    batch = T.split_sequences(training.shard_batch(data.make_batch(cfg, 0, 0, 4, 16), mesh), mesh, 16)
+    assert {k: v.sharding.spec for k, v in batch.items()} == {"input_ids": P("data", "seq"),
+                                                              "labels": P("data", "seq")}
+    assert batch["input_ids"].addressable_shards[0].data.shape == (2, 4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "bert", "--mesh", "data=2,seq=4"], "--mesh: seq=4: bert has no sequence-parallel path; it has for gpt"),
+    (["--model", "transformer", "--mesh", "seq=8"], "transformer has no sequence-parallel path"),
+    (["--model", "gpt", "--seq", "18", "--mesh", "data=2,seq=4"], "--mesh: seq=4 does not divide --seq 18"),
+    (["--model", "gpt", "--mesh", "data=2,tensor=2,seq=2", "--sequence-parallel"],
+     "seq=2 cannot be combined with --sequence-parallel"),
+    (["--model", "gpt", "--mesh", "seq=8", "--compare"], "seq=8 cannot be combined with --compare"),
+    (["--model", "gpt", "--mesh", "seq=8", "--fp8"], "seq=8 cannot be combined with --fp8"),
+    (["--model", "gpt", "--mesh", "seq=8", "--attention-backend", "fused"],
+     "seq=8 runs attention as ring attention over flash blocks; use --attention-backend flash or auto"),
+])
+def test_sequence_mesh_usage_errors(monkeypatch, capsys, extra, message):
+    monkeypatch.setattr(T, "train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as e:
+        T.main(["--preset", "tiny"] + extra)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
