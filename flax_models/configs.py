@@ -32,7 +32,8 @@ class Config:
     ``sequence_parallel``: with ``tensor_axis``, Megatron sequence parallelism
     (LayerNorm, dropout and residuals on sequence parts over the tensor axis).
     ``sequence_axis``: None or the mesh axis (``"seq"``) the sequence is split over,
-    attention through ring attention (see ``jax_ls2.nn.LayerConfig``; GPT so far).
+    attention through ring attention (see ``jax_ls2.nn.LayerConfig``; GPT so far), with
+    or without ``tensor_axis`` (not with ``sequence_parallel``).
     """
     family: str
     vocab_size: int = 512

@@ -283,15 +283,14 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
                 "supported yet; use data, seq and tensor (e.g. --mesh data="
                 f"{math.prod(sizes.values())})")
     if sizes[parallel.SEQ] > 1:
-        check_sequence_split(p, args, cfg, sizes[parallel.SEQ], seq_len, tensor)
+        check_sequence_split(p, args, cfg, sizes[parallel.SEQ], seq_len)
         cfg = cfg.replace(sequence_axis=parallel.SEQ)
     if tensor > 1:
         cfg = cfg.replace(tensor_axis=parallel.TENSOR, sequence_parallel=args.sequence_parallel)
     return mesh, cfg
 
 
-def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_len: int,
-                         tensor: int) -> None:
+def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_len: int) -> None:
     """Usage errors for ``--mesh seq=size``: a model without a sequence-parallel path, a
     sequence length it does not divide, and options the ring cannot go with."""
     name = f"seq={size}"
@@ -305,8 +304,6 @@ def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_l
     if args.sequence_parallel:
         p.error(f"--mesh: {name} cannot be combined with --sequence-parallel (the sequence is already split "
                 "over the seq axis); drop one of them")
-    if tensor > 1:
-        p.error(f"--mesh: {name} cannot be combined with tensor above 1 yet; use data and seq")
     if args.compare:
         p.error(f"--mesh: {name} cannot be combined with --compare (the plain-Flax twin has no "
                 "sequence-parallel layers)")

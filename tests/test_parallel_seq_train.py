@@ -38,7 +38,7 @@ def one_device_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["seq=8", "data=2,seq=4"])
+@pytest.mark.parametrize("spec", ["seq=8", "data=2,seq=4", "data=2,seq=2,tensor=2"])
 def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
     want, want_out = one_device_run
     got, out = _main(RUN + ["--mesh", spec, "--zero1"])

@@ -281,8 +281,8 @@ def test_bad_parallel_options():
         nn.LayerConfig(HIDDEN, FFN, HEADS, tensor_axis=4)
     with pytest.raises(ValueError, match="LayerConfig: sequence_axis .* attention_backend must be 'flash' or 'auto'"):
         nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", attention_backend="fused")
-    with pytest.raises(ValueError, match="LayerConfig: sequence_axis with tensor_axis is not supported"):
-        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", tensor_axis="tensor")
+    with pytest.raises(ValueError, match="LayerConfig: sequence_axis with sequence_parallel .* is not supported"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", tensor_axis="tensor", sequence_parallel=True)
     with pytest.raises(ValueError, match="TransformerDecoderLayer: sequence_axis is not supported in layers with "
                                          "cross-attention"):
         nnx.eval_shape(lambda: nn.TransformerDecoderLayer(HIDDEN, FFN, HEADS, sequence_axis="seq", rngs=nnx.Rngs(0)))

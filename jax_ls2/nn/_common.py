@@ -160,10 +160,13 @@ def check_tensor_parallel(owner: str, tensor_axis, sequence_parallel, sizes: dic
         check_divisible(owner, tensor_axis, sizes)
 
 
-def check_sequence_axis(owner: str, sequence_axis, attention_backend: str, tensor_axis=None, fp8=None) -> None:
+def check_sequence_axis(owner: str, sequence_axis, attention_backend: str, fp8=None,
+                        sequence_parallel: bool = False) -> None:
     """Checks ``sequence_axis`` (None or a mesh axis name) against the options it cannot
     go with: attention other than "flash" / "auto" (the ring runs flash attention),
-    ``tensor_axis`` and ``fp8``."""
+    ``fp8`` and Megatron ``sequence_parallel`` (a second split of the sequence).
+    ``tensor_axis`` goes with it: the heads split over the tensor axis, the sequence
+    over ``sequence_axis``."""
     if sequence_axis is None:
         return
     if not isinstance(sequence_axis, str) or not sequence_axis:
@@ -172,9 +175,12 @@ def check_sequence_axis(owner: str, sequence_axis, attention_backend: str, tenso
     if attention_backend not in ("auto", "flash"):
         raise ValueError(f"{owner}: sequence_axis runs attention as ring attention over flash blocks; "
                          f"attention_backend must be 'flash' or 'auto', got {attention_backend!r}")
-    if tensor_axis is not None or fp8 is not None:
-        raise ValueError(f"{owner}: sequence_axis with {'tensor_axis' if tensor_axis is not None else 'fp8'} "
-                         f"is not supported yet; leave one of them unset")
+    if fp8 is not None:
+        raise ValueError(f"{owner}: sequence_axis with fp8 is not supported yet; leave one of them unset")
+    if sequence_parallel:
+        raise ValueError(f"{owner}: sequence_axis with sequence_parallel (Megatron's split of the sequence over "
+                         f"the tensor axis) is not supported; the sequence is already split over "
+                         f"{sequence_axis!r}, leave sequence_parallel off")
 
 
 def require_tensor_axis(owner: str, axis: str, sizes: dict) -> None:

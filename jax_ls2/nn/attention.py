@@ -159,7 +159,9 @@ class MultiHeadAttention(nnx.Module):
         over (see `jax_ls2.nn.LayerConfig`): attention then runs as
         `jax_ls2.parallel.ring_attention` (flash blocks, contiguous chunks) inside
         ``shard_map`` over that axis (directly where the axis is already manual), and
-        as ``attention_backend="flash"`` where the mesh does not split it.
+        as ``attention_backend="flash"`` where the mesh does not split it. With
+        ``tensor_axis`` the ring runs on this device's heads (the tensor axis left to
+        the partitioner inside the ``shard_map``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, self_attention: bool = True,
@@ -169,7 +171,7 @@ class MultiHeadAttention(nnx.Module):
                  tensor_axis: str | None = None, sequence_parallel: bool = False,
                  sequence_axis: str | None = None, rngs: nnx.Rngs):
         self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
-        check_sequence_axis("MultiHeadAttention", sequence_axis, attention_backend, tensor_axis, fp8)
+        check_sequence_axis("MultiHeadAttention", sequence_axis, attention_backend, fp8, sequence_parallel)
         if sequence_axis is not None and not self_attention:
             raise ValueError("MultiHeadAttention: sequence_axis applies to self-attention only")
         self.sequence_axis = sequence_axis

@@ -76,8 +76,9 @@ class LayerConfig:
         the partitioner keeps them (the fused ops draw the unsplit masks), and
         self-attention runs as `jax_ls2.parallel.ring_attention` (impl "flash",
         contiguous chunks) inside ``shard_map`` over the axis, its dropout masks those
-        of ``attention_backend="flash"`` on one device. Needs attention_backend "flash"
-        or "auto"; not with tensor_axis (yet), nor in cross-attention.
+        of ``attention_backend="flash"`` on one device. With ``tensor_axis`` too, the
+        heads stay split over the tensor axis through the ring. Needs attention_backend
+        "flash" or "auto"; not with ``sequence_parallel`` or fp8, nor in cross-attention.
     """
     hidden_size: int
     ffn_size: int
@@ -163,7 +164,7 @@ def _checked(owner: str, f: dict) -> dict:
                           {"num_heads": f["num_heads"], "ffn_size": f["ffn_size"]})
     if f["tensor_axis"] is not None and f["fp8"] is not None:
         raise ValueError(f"{owner}: fp8 with tensor_axis is not supported; leave one of them unset")
-    check_sequence_axis(owner, f["sequence_axis"], f["attention_backend"], f["tensor_axis"], f["fp8"])
+    check_sequence_axis(owner, f["sequence_axis"], f["attention_backend"], f["fp8"], f["sequence_parallel"])
     return f
 
 

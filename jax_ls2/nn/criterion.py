@@ -50,7 +50,7 @@ class CrossEntropyCriterion(nnx.Module):
         self.z_loss = float(z_loss)
         check_tensor_parallel("CrossEntropyCriterion", tensor_axis, False, {})
         self.tensor_axis = tensor_axis
-        check_sequence_axis("CrossEntropyCriterion", sequence_axis, "auto", tensor_axis)
+        check_sequence_axis("CrossEntropyCriterion", sequence_axis, "auto")
         self.sequence_axis = sequence_axis
 
     def __call__(self, logits, labels):
