@@ -16,6 +16,8 @@ another.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,14 +256,35 @@ def shard_box(op: str, local_shape, shard_spec):
     return jnp.stack(offsets) if offsets else jnp.zeros((0,), jnp.uint32), tuple(global_shape)
 
 
+_BATCH_ROW_OFFSETS: list = []
+
+
+@contextlib.contextmanager
+def batch_rows_from(first_row):
+    """Within the block, every dropout mask numbered (`numbering`) is of a block of
+    rows of a larger batch, the first of them global row ``first_row`` (a uint32
+    scalar, may be traced): it is added to the offset of the batch dim, the outermost
+    dim of the numbering order. A pipeline runs its layers on micro-batches this way,
+    so each draws its rows of the whole batch's masks. Blocks nest by adding."""
+    _BATCH_ROW_OFFSETS.append(jnp.asarray(first_row, jnp.uint32))
+    try:
+        yield
+    finally:
+        _BATCH_ROW_OFFSETS.pop()
+
+
 def numbering(op: str, local_shape, shard_spec, threshold: int, order=None):
     """``(offsets, strides)`` numbering the mask of an array of ``local_shape`` by its
     global coordinates: inside ``shard_map`` with ``shard_spec``, those of this
-    device's block (`shard_box`); ``order`` the numbering's dim order (see
-    `row_major_strides`). Without dropout (threshold 0): zeros and no strides."""
+    device's block (`shard_box`), its batch rows moved by an enclosing
+    `batch_rows_from`; ``order`` the numbering's dim order (see `row_major_strides`).
+    Without dropout (threshold 0): zeros and no strides."""
     offsets, global_shape = shard_box(op, local_shape, shard_spec)
     if not threshold:
         return jnp.zeros_like(offsets), ()
+    if _BATCH_ROW_OFFSETS and len(local_shape):
+        batch_dim = 0 if order is None else tuple(order)[0]
+        offsets = offsets.at[batch_dim].add(sum(_BATCH_ROW_OFFSETS[1:], _BATCH_ROW_OFFSETS[0]))
     if int(np.prod(global_shape, dtype=object)) >= 2**63:
         raise ValueError(f"{op}: the whole array must have fewer than 2**63 elements to number its dropout mask, "
                          f"got shape {global_shape}")

@@ -25,7 +25,8 @@ from jax_ls2.parallel.tensor import bound_axis_size
 _OP = "pipeline"
 
 
-def pipeline(stage_fn: Callable, stage_params, microbatches: jax.Array, *, axis_name: str = PIPE) -> jax.Array:
+def pipeline(stage_fn: Callable, stage_params, microbatches: jax.Array, *, axis_name: str = PIPE,
+             indexed: bool = False) -> jax.Array:
     """Runs ``stage_fn`` as a GPipe pipeline over ``axis_name``; call inside ``shard_map``.
 
     Args:
@@ -39,6 +40,9 @@ def pipeline(stage_fn: Callable, stage_params, microbatches: jax.Array, *, axis_
       microbatches: ``(M, ...)``: ``M`` micro-batches, the same on every device of
         ``axis_name`` (replicated over it; other mesh axes may split the trailing dims).
       axis_name: the pipeline axis (default ``"pipe"``).
+      indexed: call ``stage_fn(stage_params, x, index)`` instead, ``index`` the int32
+        number of the micro-batch ``x`` is (outside ``[0, M)`` in the bubble), for
+        stages that read per-micro-batch inputs of their own or number dropout masks.
 
     Returns:
       ``(M, ...)``: the last stage's outputs, the same on every device of ``axis_name``
@@ -56,7 +60,8 @@ def pipeline(stage_fn: Callable, stage_params, microbatches: jax.Array, *, axis_
         raise ValueError(f"{_OP}: microbatches must be (num_microbatches >= 1, ...), got shape "
                          f"{tuple(microbatches.shape)}")
     x0 = jax.lax.pcast(jnp.zeros_like(microbatches[0]), axis_name, to="varying")  # as each stage sees it
-    out = jax.eval_shape(stage_fn, stage_params, x0)
+    run = stage_fn if indexed else (lambda params, x, index: stage_fn(params, x))
+    out = jax.eval_shape(run, stage_params, x0, jnp.zeros((), jnp.int32))
     if out.shape != x0.shape or out.dtype != x0.dtype:
         raise ValueError(f"{_OP}: stage_fn must map a micro-batch {x0.dtype}{list(x0.shape)} to the same shape "
                          f"and dtype, got {out.dtype}{list(out.shape)}")
@@ -68,7 +73,7 @@ def pipeline(stage_fn: Callable, stage_params, microbatches: jax.Array, *, axis_
         received, outputs = carry
         fresh = jax.lax.dynamic_index_in_dim(microbatches, jnp.minimum(t, count - 1), keepdims=False)
         fresh = jnp.where(t < count, fresh, jnp.zeros_like(fresh))
-        y = stage_fn(stage_params, jnp.where(stage == 0, fresh, received))
+        y = run(stage_params, jnp.where(stage == 0, fresh, received), (t - stage).astype(jnp.int32))
         done = t - (stages - 1)  # the micro-batch the last stage finishes now
         keep = (stage == stages - 1) & (done >= 0)
         slot = jnp.clip(done, 0, count - 1)

@@ -1,0 +1,205 @@
+"""Pipeline parallelism for the zoo's encoder-stack models (GPT, BERT): the layer stack's
+layers split into stages over the ``pipe`` mesh axis, micro-batches run through the
+GPipe schedule of `jax_ls2.parallel.pipeline`.
+
+``pipeline_model(model, num_microbatches=M)`` replaces the model's
+`jax_ls2.nn.TransformerEncoder` (GPT's ``decoder``, BERT's ``encoder``) by a
+`PipelinedEncoder` holding the same layers stacked: every layer variable gains a
+leading layer dim ``(L, ...)`` partitioned over ``pipe`` (``P("pipe", *its spec)``), so
+pipe stage ``s`` of ``S`` holds layers ``[s L / S, (s + 1) L / S)``. Everything else
+(embeddings, the final LayerNorm, the output head and the loss) stays as it is,
+replicated over ``pipe``: every stage computes it, on the pipeline's output, which a
+``psum`` over ``pipe`` gives to all of them. Tensor parallelism runs inside each stage
+as without the pipeline, the batch is split over ``data``.
+
+Dropout draws the one-device model's masks: each layer draws its key once per step
+from its own stream, as the unpipelined layer does, and a micro-batch's masks are
+numbered from its first row in the whole batch (`jax_ls2._random.batch_rows_from`).
+
+`unpipelined_state` maps a pipelined model's state (parameters, gradients) back to
+the layout of the unpipelined model, e.g. to compare or to save it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_ls2 import _random
+from jax_ls2.nn import TransformerEncoder
+from jax_ls2.nn._common import resolve_deterministic, tensor_axis_size
+from jax_ls2.parallel.mesh import DATA, PIPE
+from jax_ls2.parallel.pipeline import pipeline
+
+_OWNER = "PipelinedEncoder"
+
+
+def _stacked_variable(variables, pipe_axis: str):
+    """One variable holding ``variables`` (one per layer) stacked on a new leading dim,
+    partitioned over ``pipe_axis``."""
+    first = variables[0]
+    value = jnp.stack([v.get_value() for v in variables])
+    metadata = first.get_metadata(exclude_required=True)
+    inner = metadata.get("out_sharding") or (None,) * (value.ndim - 1)
+    metadata.update(out_sharding=(pipe_axis, *inner), eager_sharding=False)
+    return type(first)(value, **metadata)
+
+
+class PipelinedEncoder(nnx.Module):
+    """A `jax_ls2.nn.TransformerEncoder`'s layers as GPipe stages over ``pipe_axis``.
+
+    ``__call__(x, *, padding_mask=None, causal=False, deterministic=None)``: x float
+    (batch, len, hidden), padding_mask bool (batch, len) True = token -> (batch, len,
+    hidden) in x's dtype, the stack's result (its ``final_ln`` included). Call it under
+    ``jax.set_mesh(mesh)`` (a mesh of `jax_ls2.parallel.make_mesh`), under ``jit``: it
+    runs the layers in ``shard_map`` over all mesh axes, the batch split over
+    ``data_axis`` and each device's part cut into ``num_microbatches`` micro-batches.
+
+    ``layers``: one `TransformerEncoderLayer` whose variables are the stack's layers'
+    stacked, ``(num_layers, ...)``, partitioned ``P(pipe_axis, ...)``;
+    ``final_ln``: the stack's (None for post-LN stacks).
+
+    Raises (at the call) ValueError: num_layers not a multiple of the pipe axis size, a
+    local batch not a multiple of ``num_microbatches``, no mesh with ``pipe_axis``.
+    """
+
+    def __init__(self, stack: TransformerEncoder, *, num_microbatches: int, pipe_axis: str = PIPE,
+                 data_axis: str = DATA):
+        if not isinstance(stack, TransformerEncoder):
+            raise TypeError(f"{_OWNER}: stack must be a jax_ls2.nn.TransformerEncoder, got {type(stack).__name__}")
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"{_OWNER}: num_microbatches must be a positive int, got {num_microbatches!r}")
+        c = stack.config
+        if c.sequence_parallel or c.sequence_axis is not None:
+            raise ValueError(f"{_OWNER}: sequence_parallel and sequence_axis are not supported with pipeline "
+                             f"parallelism; leave them off")
+        if c.fp8 is not None:
+            raise ValueError(f"{_OWNER}: fp8 layers are not supported with pipeline parallelism (their scaling "
+                             f"state is per step, not per micro-batch)")
+        if c.attention_backend == "flash" and c.attn_dropout > 0:
+            raise ValueError(f"{_OWNER}: attention_backend='flash' with attention dropout numbers its masks over "
+                             f"the whole batch, not per micro-batch; use 'fused' or 'auto'")
+        self.config = c
+        self.num_layers = len(stack.layers)
+        self.num_microbatches = num_microbatches
+        self.pipe_axis, self.data_axis = pipe_axis, data_axis
+        self.remat = stack.remat
+        graphdef, _ = nnx.split(stack.layers[0])
+        states = [nnx.state(layer) for layer in stack.layers]
+        stacked = jax.tree.map(lambda *vs: _stacked_variable(vs, pipe_axis), *states,
+                               is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self.layers = nnx.merge(graphdef, stacked)
+        self.final_ln = stack.final_ln
+
+    def _stages(self) -> int:
+        stages = tensor_axis_size(self.pipe_axis)
+        if stages is None:
+            raise ValueError(f"{_OWNER}: needs a mesh with axis {self.pipe_axis!r}; call it under "
+                             f"jax.set_mesh(jax_ls2.parallel.make_mesh('pipe=...'))")
+        if self.num_layers % stages:
+            raise ValueError(f"{_OWNER}: num_layers ({self.num_layers}) must be a multiple of the size ({stages}) "
+                             f"of mesh axis {self.pipe_axis!r}, which the layers are split over; change the "
+                             f"layer count or the pipe size")
+        return stages
+
+    def _layer_keys(self, deterministic: bool):
+        """(L,) keys, one per layer: the key the unpipelined layer draws this call; None
+        without dropout. Each layer's stream advances once, as the unpipelined one does."""
+        c = self.config
+        if deterministic or not any((c.attn_dropout, c.activation_dropout, c.hidden_dropout)):
+            return None
+        stream = self.layers.rngs
+        keys = jax.vmap(jax.random.fold_in)(stream.key[...], stream.count[...])
+        stream.count[...] += 1
+        return keys
+
+    def __call__(self, x, *, padding_mask=None, causal: bool = False, deterministic: bool | None = None):
+        self._stages()
+        det = resolve_deterministic(_OWNER, deterministic, self.layers.deterministic)
+        keys = self._layer_keys(det)
+        graphdef, state = nnx.split(self.layers)
+        data_size = tensor_axis_size(self.data_axis) or 1
+        count = self.num_microbatches
+        if x.ndim != 3 or x.shape[0] % (data_size * count):
+            raise ValueError(f"{_OWNER}: x must be (batch, len, hidden) with the batch a multiple of the "
+                             f"{self.data_axis!r} size ({data_size}) times num_microbatches ({count}), got shape "
+                             f"{tuple(x.shape)}")
+        mask = jnp.ones(x.shape[:2], bool) if padding_mask is None else padding_mask.astype(bool)
+        pipe, data, remat = self.pipe_axis, self.data_axis, self.remat
+
+        def run_layers(state, keys, x, mask):
+            local_batch = x.shape[0]
+            rows = local_batch // count
+            first_row = (jax.lax.axis_index(data) if data_size > 1 else 0) * local_batch
+            masks = mask.reshape(count, rows, *mask.shape[1:])
+
+            def stage(params, h, index):
+                layer_states, layer_keys = params
+                index = jnp.clip(index, 0, count - 1)
+                micro_mask = None if padding_mask is None else jax.lax.dynamic_index_in_dim(masks, index, keepdims=False)
+
+                def one(h, layer):
+                    layer_state, key = layer
+                    return nnx.merge(graphdef, layer_state)(h, padding_mask=micro_mask, causal=causal,
+                                                            deterministic=det, rngs=key), None
+                one = jax.checkpoint(one) if remat else one
+                with _random.batch_rows_from(first_row + index * rows):
+                    return jax.lax.scan(one, h, (layer_states, layer_keys))[0]
+
+            out = pipeline(stage, (state, keys), x.reshape(count, rows, *x.shape[1:]), axis_name=pipe, indexed=True)
+            return out.reshape(x.shape)
+
+        specs = nnx.get_partition_spec(state)
+        key_spec = None if keys is None else P(pipe)
+        y = jax.shard_map(run_layers, in_specs=(specs, key_spec, P(data), P(data)), out_specs=P(data))(
+            state, keys, x, mask)
+        return y if self.final_ln is None else self.final_ln(y)
+
+
+def pipeline_model(model, *, num_microbatches: int, pipe_axis: str = PIPE, data_axis: str = DATA):
+    """``model`` (a zoo GPT or BERT on jax_ls2 layers, e.g. ``flax_models.build(cfg)``)
+    with its layer stack replaced by a `PipelinedEncoder` of the same layers and values,
+    in place; returns it. Then place its state with
+    ``jax_ls2.parallel.mesh.shard_module(model, mesh)`` and train it under
+    ``jax.set_mesh(mesh)`` as the unpipelined model: ``model.loss(batch)`` runs the
+    layers as GPipe stages over ``pipe_axis`` with ``num_microbatches`` micro-batches
+    per ``data_axis`` part of the batch (the batch: a multiple of data size times
+    ``num_microbatches``).
+
+    Raises:
+      ValueError: a model without exactly one ``jax_ls2.nn.TransformerEncoder`` stack
+        (the encoder-decoder Transformer, ViT's and LLaMA's stacks are not supported),
+        or a stack `PipelinedEncoder` does not take.
+    """
+    stacks = [name for name, value in vars(model).items() if isinstance(value, TransformerEncoder)]
+    if len(stacks) != 1 or any(type(v).__name__ == "TransformerDecoder" for v in vars(model).values()):
+        raise ValueError(f"pipeline_model: the model needs exactly one jax_ls2.nn.TransformerEncoder layer stack and "
+                         f"no decoder stack (GPT and BERT built on jax_ls2 layers), got {type(model).__name__} with "
+                         f"stacks {stacks}")
+    name = stacks[0]
+    setattr(model, name, PipelinedEncoder(getattr(model, name), num_microbatches=num_microbatches,
+                                          pipe_axis=pipe_axis, data_axis=data_axis))
+    return model
+
+
+def unpipelined_state(state, like):
+    """``state`` (of a `pipeline_model` model: parameters, gradients, any
+    ``nnx.State``) in the layout of ``like`` (the same of the unpipelined model, or its
+    ``nnx.eval_shape`` state): each stacked layer variable ``(L, ...)`` becomes the
+    ``L`` layers' own. Only ``like``'s paths are kept; values are unchanged."""
+
+    def unstack(stacked, want):
+        if not isinstance(want, dict):
+            return stacked
+        if want and all(isinstance(k, int) for k in want) and not any(isinstance(k, int) for k in stacked):
+            return {i: unstack(jax.tree.map(lambda a: a[i], stacked), want[i]) for i in want}
+        return {k: unstack(stacked[k], w) for k, w in want.items()}
+
+    values = unstack(nnx.to_pure_dict(state), nnx.to_pure_dict(like))
+    out = jax.tree.map(lambda a: a, like)
+    nnx.replace_by_pure_dict(out, values)
+    return out
+
+
+__all__ = ["PipelinedEncoder", "pipeline_model", "unpipelined_state"]

@@ -1,0 +1,172 @@
+"""Pipeline parallelism in the zoo (flax_models.pipeline) on the 8 simulated CPU devices: the
+tiny GPT and BERT (4 heads, 2 layers) with their layers split into 2 pipe stages, 2
+micro-batches, tensor parallelism inside each stage, trained 3 steps with the fused AdamW,
+dropout on, against the same model on one device; the stage boundary in the compiled step;
+the errors for sizes that do not fit.
+
+As in test_parallel_zoo, every run compiles its step once, without LLVM's optimisations."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_models as fm
+from flax_models.pipeline import pipeline_model, unpipelined_state
+from jax_ls2 import parallel
+from jax_ls2.nn import tensor_parallel_state
+from jax_ls2.optim import adamw, shard_optimizer, update_nnx
+from jax_ls2.parallel.mesh import shard_module
+
+BATCH, LEN, STEPS, MICROBATCHES = 8, 16, 3, 2
+DROPOUT = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
+MESHES = ["pipe=2,data=2,tensor=2", "pipe=2,tensor=4"]
+TOL = dict(rtol=2e-5, atol=2e-6)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _batch(family, cfg, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, cfg.vocab_size, (BATCH, LEN))
+    labels = np.where(rng.random((BATCH, LEN)) < 0.3, -100, rng.integers(0, cfg.vocab_size, (BATCH, LEN)))
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "labels": jnp.asarray(labels, jnp.int32)}
+    if family == "bert":
+        batch["padding_mask"] = jnp.asarray(np.arange(LEN)[None, :] < rng.integers(LEN // 2, LEN + 1, (BATCH, 1)))
+    return batch
+
+
+def _step(graphdef, state, batch):
+    model, opt = nnx.merge(graphdef, state)
+    (loss, _), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)
+    update_nnx(opt, model, grads)
+    return nnx.state((model, opt)), loss, grads
+
+
+def _train(model, batches, mesh=None):
+    """(losses, gradients, final params, compiled step's HLO) of `STEPS` fused-AdamW steps,
+    compiled once (``eps`` as in test_parallel_zoo: it bounds how much Adam magnifies
+    rounding-level gradients). On a mesh the optimizer updates each device's parameter
+    shards where they lie (`shard_optimizer`), so nothing gathers the layer stack."""
+    tx = adamw(1e-2, eps=1e-3, weight_decay=0.01)
+    if mesh is not None:
+        tx = shard_optimizer(tx, mesh, nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, opt))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    state = jax.device_put(state, shardings)
+    step = jax.jit(functools.partial(_step, graphdef), out_shardings=(shardings, None, None),
+                   compiler_options=FAST_COMPILE)
+    hlo = step.lower(state, batches[0]).compile().as_text()
+    losses, grads = [], []
+    for batch in batches:
+        state, loss, g = step(state, batch)
+        losses.append(float(loss))
+        grads.append(g)
+    assert step._cache_size() == 1
+    model, _ = nnx.merge(graphdef, state)
+    return losses, grads, nnx.state(model, nnx.Param), hlo
+
+
+@functools.cache
+def _one_device(family):
+    cfg = fm.get_config(family, "tiny", **DROPOUT)
+    model = nnx.jit(lambda: fm.build(cfg))()
+    start = jax.tree.map(jnp.copy, nnx.state(model))
+    batches = [_batch(family, cfg, s) for s in range(STEPS)]
+    losses, grads, params, _ = _train(model, batches)
+    return cfg, start, batches, (losses, grads, params)
+
+
+@functools.cache
+def _pipelined(family, spec):
+    """The pipelined, tensor-parallel run of `family` on mesh `spec`, from the one-device
+    model's initial state; gradients and params in the unpipelined tensor-parallel layout."""
+    cfg, start, batches, _ = _one_device(family)
+    mesh = parallel.make_mesh(spec)
+    with jax.set_mesh(mesh):
+        split = cfg.replace(tensor_axis="tensor")
+        graphdef, shapes = nnx.split(nnx.eval_shape(lambda: fm.build(split)))
+        model = nnx.merge(graphdef, tensor_parallel_state(start, shapes))
+        model = shard_module(pipeline_model(model, num_microbatches=MICROBATCHES), mesh)
+        stacked = nnx.state(model, nnx.Param)
+        sharded = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
+        losses, grads, params, hlo = _train(model, sharded, mesh)
+    shapes = nnx.state(nnx.eval_shape(lambda: fm.build(split)), nnx.Param)
+    return (losses, [unpipelined_state(g, shapes) for g in grads], unpipelined_state(params, shapes), hlo,
+            stacked)
+
+
+def _close(got, want):
+    got = tensor_parallel_state(got, want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+@pytest.mark.parametrize("spec", MESHES)
+def test_pipelined_zoo_trains_like_one_device(family, spec):
+    _, _, _, (want_losses, want_grads, want_params) = _one_device(family)
+    losses, grads, params, _, stacked = _pipelined(family, spec)
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads, strict=True):
+        _close(g, w)
+    _close(params, want_params)
+    # the stacked layers sit on their stages, tensor-parallel weights split inside them
+    qkv = stacked["decoder" if family == "gpt" else "encoder"]["layers"]["attn"]["qkv"]["kernel"]
+    assert qkv.get_value().sharding.spec == P("pipe", None, None, "tensor")
+
+
+def test_stage_boundary_passes_activations_only():
+    """The compiled GPT step on (pipe 2, data 2, tensor 2): the stages exchange
+    micro-batch activations by collective-permute (each device's micro-batch rows, the
+    whole length and width: (2, 16, 64)), and no collective carries a parameter stack
+    (a leading layer dim of 2 layers or 1 stage's worth): the optimizer updates the
+    stages' parameters where they lie."""
+    *_, hlo, stacked = _pipelined("gpt", MESHES[0])
+    permutes = [ln for ln in hlo.splitlines() if re.search(r" collective-permute(-start)?\(", ln)]
+    boundary = [re.search(r"= (\w+\[[\d,]*\])", ln).group(1) for ln in permutes if "/ppermute" in ln]
+    assert len(boundary) >= 2 and set(boundary) == {"f32[2,16,64]"}, boundary  # forward and backward
+    stack_shapes = set()
+    for leaf in jax.tree.leaves(stacked):
+        trailing = leaf.sharding.shard_shape(leaf.shape)[1:]
+        for layers in (1, 2):
+            stack_shapes.add(",".join(map(str, (layers, *trailing))))
+            stack_shapes.add(",".join(map(str, (layers, *leaf.shape[1:]))))
+    moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|collective-permute|all-to-all)(?:-start)?\(", hlo)
+    assert not [m for m in moved if m in stack_shapes], moved
+
+
+def _pipelined_shapes(cfg, num_microbatches=MICROBATCHES):
+    return nnx.eval_shape(lambda: pipeline_model(fm.build(cfg), num_microbatches=num_microbatches))
+
+
+def _loss_shape(model, batch):
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s: nnx.merge(graphdef, s).loss(batch), state)
+
+
+def test_sizes_that_do_not_fit():
+    batch = {"input_ids": jnp.zeros((8, LEN), jnp.int32), "labels": jnp.zeros((8, LEN), jnp.int32)}
+    with jax.set_mesh(parallel.make_mesh("pipe=2,data=4")):
+        model = _pipelined_shapes(fm.get_config("gpt", "tiny", num_layers=3))
+        with pytest.raises(ValueError, match=r"PipelinedEncoder: num_layers \(3\) must be a multiple of the size "
+                                             r"\(2\) of mesh axis 'pipe'"):
+            _loss_shape(model, batch)
+        model = _pipelined_shapes(fm.get_config("gpt", "tiny"), num_microbatches=3)
+        with pytest.raises(ValueError, match=r"PipelinedEncoder: x must be \(batch, len, hidden\) with the batch a "
+                                             r"multiple of the 'data' size \(4\) times num_microbatches \(3\)"):
+            _loss_shape(model, batch)
+    model = _pipelined_shapes(fm.get_config("gpt", "tiny"))
+    with pytest.raises(ValueError, match=r"PipelinedEncoder: needs a mesh with axis 'pipe'"):
+        _loss_shape(model, batch)
+    with pytest.raises(ValueError, match="pipeline_model: the model needs exactly one jax_ls2.nn.TransformerEncoder"):
+        _pipelined_shapes(fm.get_config("transformer", "tiny"))
+    with pytest.raises(ValueError, match="PipelinedEncoder: sequence_parallel and sequence_axis are not supported"):
+        _pipelined_shapes(fm.get_config("gpt", "tiny", tensor_axis="tensor", sequence_parallel=True))
+    with pytest.raises(ValueError, match="PipelinedEncoder: num_microbatches must be a positive int"):
+        _pipelined_shapes(fm.get_config("gpt", "tiny"), num_microbatches=0)
