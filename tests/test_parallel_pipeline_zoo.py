@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_models as fm
 from flax_models.pipeline import pipeline_model, unpipelined_state
-from jax_ls2 import parallel
+from jax_ls2 import _random, ops, parallel
 from jax_ls2.nn import tensor_parallel_state
 from jax_ls2.optim import adamw, shard_optimizer, update_nnx
 from jax_ls2.parallel.mesh import shard_module
@@ -26,6 +26,8 @@ from jax_ls2.parallel.mesh import shard_module
 BATCH, LEN, STEPS, MICROBATCHES = 8, 16, 3, 2
 DROPOUT = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
 MESHES = ["pipe=2,data=2,tensor=2", "pipe=2,tensor=4"]
+# the layers without tensor parallelism: data parallelism inside the stages only
+DATA_ONLY = "pipe=2,data=4"
 TOL = dict(rtol=2e-5, atol=2e-6)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
@@ -84,12 +86,14 @@ def _one_device(family):
 
 @functools.cache
 def _pipelined(family, spec):
-    """The pipelined, tensor-parallel run of `family` on mesh `spec`, from the one-device
-    model's initial state; gradients and params in the unpipelined tensor-parallel layout."""
+    """The pipelined run of `family` ("gpt-remat": GPT with its layers rematerialised) on
+    mesh `spec`, tensor-parallel where it has a tensor axis, from the one-device model's
+    initial state; gradients and params in the unpipelined layout."""
+    family, *remat = family.split("-")
     cfg, start, batches, _ = _one_device(family)
     mesh = parallel.make_mesh(spec)
     with jax.set_mesh(mesh):
-        split = cfg.replace(tensor_axis="tensor")
+        split = cfg.replace(tensor_axis="tensor" if "tensor=" in spec else None, remat=bool(remat))
         graphdef, shapes = nnx.split(nnx.eval_shape(lambda: fm.build(split)))
         model = nnx.merge(graphdef, tensor_parallel_state(start, shapes))
         model = shard_module(pipeline_model(model, num_microbatches=MICROBATCHES), mesh)
@@ -107,18 +111,17 @@ def _close(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
 
 
-@pytest.mark.parametrize("family", ["gpt", "bert"])
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("family,spec", [(f, m) for m in MESHES for f in ("gpt", "bert")] + [("gpt-remat", DATA_ONLY)])
 def test_pipelined_zoo_trains_like_one_device(family, spec):
-    _, _, _, (want_losses, want_grads, want_params) = _one_device(family)
+    _, _, _, (want_losses, want_grads, want_params) = _one_device(family.split("-")[0])
     losses, grads, params, _, stacked = _pipelined(family, spec)
     np.testing.assert_allclose(losses, want_losses, **TOL)
     for g, w in zip(grads, want_grads, strict=True):
         _close(g, w)
     _close(params, want_params)
     # the stacked layers sit on their stages, tensor-parallel weights split inside them
-    qkv = stacked["decoder" if family == "gpt" else "encoder"]["layers"]["attn"]["qkv"]["kernel"]
-    assert qkv.get_value().sharding.spec == P("pipe", None, None, "tensor")
+    qkv = stacked["encoder" if family == "bert" else "decoder"]["layers"]["attn"]["qkv"]["kernel"]
+    assert qkv.get_value().sharding.spec == (P("pipe", None, None, "tensor") if "tensor=" in spec else P("pipe", None, None))
 
 
 def test_stage_boundary_passes_activations_only():
@@ -139,6 +142,36 @@ def test_stage_boundary_passes_activations_only():
             stack_shapes.add(",".join(map(str, (layers, *leaf.shape[1:]))))
     moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|collective-permute|all-to-all)(?:-start)?\(", hlo)
     assert not [m for m in moved if m in stack_shapes], moved
+
+
+def test_microbatch_rows_draw_their_rows_of_the_whole_mask():
+    """`batch_rows_from`: a block of rows draws those rows of the whole batch's mask, in
+    the batch-first and the sequence-first numbering, nested blocks adding up."""
+    x = jnp.ones((8, 6, 32))
+    key = jax.random.key(3)
+    whole = ops.dropout(x, rate=0.5, key=key)
+    with _random.batch_rows_from(2):
+        with _random.batch_rows_from(jnp.int32(2)):
+            block = ops.dropout(x[4:6], rate=0.5, key=key)
+    np.testing.assert_array_equal(block, whole[4:6])
+    assert not np.array_equal(ops.dropout(x[4:6], rate=0.5, key=key), whole[4:6])
+    res = jnp.zeros_like(x)
+    whole = ops.bias_dropout_residual(x.swapaxes(0, 1), None, res.swapaxes(0, 1), rate=0.5, key=key, seq_first=True)
+    with _random.batch_rows_from(6):
+        block = ops.bias_dropout_residual(x[6:].swapaxes(0, 1), None, res[6:].swapaxes(0, 1), rate=0.5, key=key,
+                                          seq_first=True)
+    np.testing.assert_array_equal(block, whole[:, 6:])
+
+
+def test_stages_see_their_microbatch_number():
+    """``pipeline(indexed=True)``: each stage gets the number of the micro-batch it holds;
+    two stages each adding it give micro-batch m plus 2 m."""
+    mesh = parallel.make_mesh("pipe=2,data=4")
+    x = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)
+    stage = functools.partial(parallel.pipeline, lambda p, h, i: h + i.astype(h.dtype) + 0 * p, indexed=True)
+    piped = jax.shard_map(stage, mesh=mesh, in_specs=(P("pipe"), P(None, "data")), out_specs=P(None, "data"))
+    got = jax.jit(piped)(jnp.zeros((2,)), x)
+    np.testing.assert_array_equal(got, x + 2 * jnp.arange(3.0)[:, None, None])
 
 
 def _pipelined_shapes(cfg, num_microbatches=MICROBATCHES):
