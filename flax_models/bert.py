@@ -22,7 +22,9 @@ class Bert(nnx.Module):
     ``cfg.tensor_axis`` / ``cfg.sequence_parallel``: as for `flax_models.gpt.GPT` (the
     layers, the tied vocabulary-parallel embedding and head, ``mlm_bias`` split by
     vocabulary, the vocabulary-parallel loss; the token-type embedding, its LayerNorm
-    and the MLM transform stay whole)."""
+    and the MLM transform stay whole). ``cfg.sequence_axis``: as for GPT, attention
+    non-causal through the ring with the padding mask split along with the keys; not
+    with ``mlm_max_predictions``."""
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -41,7 +43,11 @@ class Bert(nnx.Module):
                                     param_dtype=param_dtype, rngs=rngs)
         split = {} if cfg.tensor_axis is None else {"out_sharding": (cfg.tensor_axis,), "eager_sharding": False}
         self.mlm_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), param_dtype), **split)
-        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **cfg.vocab_options(loss=True))
+        if cfg.sequence_axis is not None and cfg.mlm_max_predictions > 0:
+            raise ValueError("Bert: mlm_max_predictions with sequence_axis is not supported (picking the predicted "
+                             "positions would gather the split sequence); set mlm_max_predictions=0")
+        seq = {} if cfg.sequence_axis is None else {"sequence_axis": cfg.sequence_axis}
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **cfg.vocab_options(loss=True), **seq)
 
     def features(self, input_ids, *, token_type_ids=None, padding_mask=None):
         """The MLM head's input to the tied output projection: (B, T, hidden)."""

@@ -21,7 +21,7 @@ draws loss and throughput from them.
 
 ``--mesh data=..,tensor=..,seq=..,pipe=..`` trains on a device mesh
 (``jax_ls2.parallel.make_mesh``) over every device of every process: the batch split
-over the data axis, the sequence over the seq axis (GPT: attention through ring
+over the data axis, the sequence over the seq axis (GPT, BERT: attention through ring
 attention), the state placed by its partition specs, the fused optimizer
 updating the params where they lie (``--zero1`` also splits its state over the data
 axis). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -240,7 +240,7 @@ UNSUPPORTED_AXES = (parallel.PIPE,)
 """Mesh axes the zoo models cannot be split over yet (their size must be 1)."""
 TENSOR_FAMILIES = ("bert", "gpt", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
-SEQ_FAMILIES = ("gpt",)
+SEQ_FAMILIES = ("bert", "gpt")
 """The families whose layers and loss run on sequence parts over the seq axis
 (``Config.sequence_axis``), attention through ring attention."""
 
@@ -301,6 +301,9 @@ def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_l
     if seq_len % size:
         p.error(f"--mesh: {name} does not divide --seq {seq_len}; use a sequence length that is a multiple "
                 f"of {size}")
+    if args.mlm_max_predictions:
+        p.error(f"--mesh: {name} cannot be combined with --mlm-max-predictions (picking the predicted positions "
+                "would gather the split sequence)")
     if args.sequence_parallel:
         p.error(f"--mesh: {name} cannot be combined with --sequence-parallel (the sequence is already split "
                 "over the seq axis); drop one of them")

@@ -1,6 +1,7 @@
-"""The training command with ``--mesh seq=N``: GPT's sequence split over the seq axis
-(attention through ring attention), alone and with the data axis, prints the losses of
-the run without a mesh; what cannot be split over seq is a usage error."""
+"""The training command with ``--mesh seq=N``: GPT's and BERT's sequence split over the
+seq axis (attention through ring attention), alone and with the data and tensor axes,
+prints the losses of the run without a mesh; what cannot be split over seq is a usage
+error."""
 import contextlib
 import io
 import re
@@ -50,6 +51,15 @@ def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
 
 
 @pytest.mark.slow
+def test_bert_on_a_sequence_mesh_prints_the_same_losses():
+    bert = RUN[:1] + ["bert"] + RUN[2:]
+    want, want_out = _main(bert)
+    got, out = _main(bert + ["--mesh", "data=2,seq=4"])
+    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_sequence_mesh_with_the_default_backend_trains():
     """``--mesh data=2,seq=4`` with ``--attention-backend auto`` (no dropout, so the one-device
     run's attention backend does not change the masks) prints the one-device losses."""
@@ -71,8 +81,11 @@ def test_token_arrays_are_split_over_data_and_seq():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--model", "bert", "--mesh", "data=2,seq=4"], "--mesh: seq=4: bert has no sequence-parallel path; it has for gpt"),
-    (["--model", "transformer", "--mesh", "seq=8"], "transformer has no sequence-parallel path"),
+    (["--model", "transformer", "--mesh", "data=2,seq=4"],
+     "--mesh: seq=4: transformer has no sequence-parallel path; it has for bert, gpt"),
+    (["--model", "vit", "--mesh", "seq=8"], "vit has no sequence-parallel path"),
+    (["--model", "bert", "--mesh", "seq=8", "--mlm-max-predictions", "4"],
+     "seq=8 cannot be combined with --mlm-max-predictions"),
     (["--model", "gpt", "--seq", "18", "--mesh", "data=2,seq=4"], "--mesh: seq=4 does not divide --seq 18"),
     (["--model", "gpt", "--mesh", "data=2,tensor=2,seq=2", "--sequence-parallel"],
      "seq=2 cannot be combined with --sequence-parallel"),

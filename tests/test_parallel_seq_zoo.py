@@ -1,8 +1,8 @@
 """Sequence parallelism (the sequence split over the ``seq`` axis, attention through ring
-attention) together with tensor parallelism in the zoo, on the 8 simulated CPU devices:
-the tiny GPT trained 3 steps with the fused AdamW, dropout on, on (data 2, tensor 2,
-seq 2) against the same model on one device with flash attention (whose dropout masks
-the ring draws)."""
+attention) in the zoo, alone and with tensor parallelism, on the 8 simulated CPU
+devices: the tiny GPT and BERT trained 3 steps with the fused AdamW, dropout on, on
+(data 2, tensor 2, seq 2) and BERT on (seq 4), against the same model on one device
+with flash attention (whose dropout masks the ring draws)."""
 import functools
 import re
 
@@ -29,11 +29,12 @@ def reference():
 
 
 @pytest.mark.slow
-def test_gpt_on_data_tensor_and_sequence_trains_like_one_device(reference):
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_zoo_on_data_tensor_and_sequence_trains_like_one_device(reference, family):
     """Heads, FFN and vocabulary split over tensor, the sequence over seq, the batch over
     data: losses, all gradients and the params after 3 steps equal the one-device run's."""
-    _, _, start, batches, (want_losses, want_grads, want_params) = reference("gpt-flash")
-    cfg = fm.get_config("gpt", "tiny", attention_backend="flash", sequence_axis="seq", tensor_axis="tensor",
+    _, _, start, batches, (want_losses, want_grads, want_params) = reference(f"{family}-flash")
+    cfg = fm.get_config(family, "tiny", attention_backend="flash", sequence_axis="seq", tensor_axis="tensor",
                         **DROPOUT)
     mesh = _mesh("data=2,tensor=2,seq=2")
     with jax.set_mesh(mesh):
@@ -46,7 +47,7 @@ def test_gpt_on_data_tensor_and_sequence_trains_like_one_device(reference):
     for g, w in zip(grads, want_grads):
         _close(tensor_parallel_state(g, w), w)
     _close(tensor_parallel_state(params, want_params), want_params)
-    qkv = params["decoder"]["layers"][0]["attn"]["qkv"]["kernel"]
+    qkv = params["decoder" if family == "gpt" else "encoder"]["layers"][0]["attn"]["qkv"]["kernel"]
     assert qkv.get_value().sharding.spec == P(None, None, "tensor")  # kept split by the optimizer
     assert _collectives(hlo)["collective-permute"] > 0  # the ring
     # Only the tensor axis gathers (the gradients this step returns replicated);
@@ -54,6 +55,35 @@ def test_gpt_on_data_tensor_and_sequence_trains_like_one_device(reference):
     gathered_over = re.findall(r" all-gather(?:-start)?\(.*?replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", hlo)
     assert len(gathered_over) == _collectives(hlo)["all-gather"]
     assert set(gathered_over) <= {"'tensor'"}, gathered_over
+
+
+@pytest.mark.slow
+def test_bert_on_sequence_shards_trains_like_one_device(reference):
+    """Tiny BERT (post-LN, padded sequences) on (seq 4): non-causal attention through the
+    ring with the padding mask travelling with the keys, embeddings, LayerNorms, dropout,
+    FFN, MLM head and loss on sequence parts; losses, all gradients and the params after
+    3 steps equal the one-device run's; nothing gathered."""
+    _, _, start, batches, (want_losses, want_grads, want_params) = reference("bert-flash")
+    cfg = fm.get_config("bert", "tiny", attention_backend="flash", sequence_axis="seq", **DROPOUT)
+    mesh = _mesh("seq=4")
+    with jax.set_mesh(mesh):
+        model = shard_module(nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: fm.build(cfg))), start), mesh)
+        sharded = [jax.device_put(b, NamedSharding(mesh, P(None, "seq"))) for b in batches]
+        losses, grads, params = _train(model, sharded)
+        hlo = _train.last_program()
+    assert any(not b["padding_mask"].all() for b in batches)  # padding present
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+    _close(params, want_params)
+    counts = _collectives(hlo)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] > 0, counts
+
+
+def test_bert_refuses_mlm_max_predictions_on_sequence_shards():
+    cfg = fm.get_config("bert", "tiny", attention_backend="flash", sequence_axis="seq", mlm_max_predictions=4)
+    with pytest.raises(ValueError, match="Bert: mlm_max_predictions with sequence_axis is not supported"):
+        nnx.eval_shape(lambda: fm.build(cfg))
 
 
 def test_sequence_axis_with_tensor_axis_is_accepted_and_megatron_split_refused():
