@@ -4,7 +4,10 @@ prints the losses of the run without a mesh; what cannot be split over seq is a 
 error."""
 import contextlib
 import io
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -48,6 +51,20 @@ def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
     assert model.cfg.sequence_axis == "seq"
+
+
+@pytest.mark.slow
+def test_command_on_four_devices_with_seq_4(one_device_run, tmp_path):
+    """``python -m flax_models.train ... --mesh seq=4`` in a process of 4 CPU devices,
+    evaluating on held-out data as it goes."""
+    _, want_out = one_device_run
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "flax_models.train", *RUN, "--mesh", "seq=4", "--eval-every", "3",
+                           "--eval-batches", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh seq=4 (4 devices, 1 processes)" in done.stdout
+    assert len(_printed_losses(done.stdout)) == 3 and _printed_losses(done.stdout) == _printed_losses(want_out)
+    assert re.search(r"^ls2 step 3: held-out loss \d+\.\d{4}", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.slow

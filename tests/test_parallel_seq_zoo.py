@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_parallel_zoo import DROPOUT, TOL, _close, _collectives, _mesh, _one_device, _train
+from test_parallel_zoo import BATCH, DROPOUT, LEN, TOL, _close, _collectives, _mesh, _one_device, _train
 
 import flax_models as fm
 from jax_ls2 import nn
@@ -49,7 +49,10 @@ def test_zoo_on_data_tensor_and_sequence_trains_like_one_device(reference, famil
     _close(tensor_parallel_state(params, want_params), want_params)
     qkv = params["decoder" if family == "gpt" else "encoder"]["layers"][0]["attn"]["qkv"]["kernel"]
     assert qkv.get_value().sharding.spec == P(None, None, "tensor")  # kept split by the optimizer
-    assert _collectives(hlo)["collective-permute"] > 0  # the ring
+    # The ring passes this device's batch part, sequence chunk and heads (q, k, v and
+    # the dK, dV accumulators; BERT's padding mask as pred[...]).
+    passed = set(re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\(", hlo))
+    assert passed == {f"{BATCH // 2},{LEN // 2},{cfg.num_heads // 2},{cfg.hidden_size // cfg.num_heads}"}, passed
     # Only the tensor axis gathers (the gradients this step returns replicated);
     # nothing is gathered over seq (the sequence) or data.
     gathered_over = re.findall(r" all-gather(?:-start)?\(.*?replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", hlo)
