@@ -9,8 +9,9 @@ leading layer dim ``(L, ...)`` partitioned over ``pipe`` (``P("pipe", *its spec)
 pipe stage ``s`` of ``S`` holds layers ``[s L / S, (s + 1) L / S)``. Everything else
 (embeddings, the final LayerNorm, the output head and the loss) stays as it is,
 replicated over ``pipe``: every stage computes it, on the pipeline's output, which a
-``psum`` over ``pipe`` gives to all of them. Tensor parallelism runs inside each stage
-as without the pipeline, the batch is split over ``data``.
+``psum`` over ``pipe`` gives to all of them. Tensor parallelism (and Megatron sequence
+parallelism) runs inside each stage as without the pipeline, the batch is split over
+``data``. Not supported: ``sequence_axis`` (ring attention), FP8 layers.
 
 Dropout draws the one-device model's masks: each layer draws its key once per step
 from its own stream, as the unpipelined layer does, and a micro-batch's masks are
@@ -54,7 +55,9 @@ class PipelinedEncoder(nnx.Module):
     hidden) in x's dtype, the stack's result (its ``final_ln`` included). Call it under
     ``jax.set_mesh(mesh)`` (a mesh of `jax_ls2.parallel.make_mesh`), under ``jit``: it
     runs the layers in ``shard_map`` over all mesh axes, the batch split over
-    ``data_axis`` and each device's part cut into ``num_microbatches`` micro-batches.
+    ``data_axis`` (and with the stack's ``sequence_parallel`` the sequence over its
+    tensor axis, as the result comes back) and each device's part cut into
+    ``num_microbatches`` micro-batches.
 
     ``layers``: one `TransformerEncoderLayer` whose variables are the stack's layers'
     stacked, ``(num_layers, ...)``, partitioned ``P(pipe_axis, ...)``;
@@ -71,9 +74,9 @@ class PipelinedEncoder(nnx.Module):
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"{_OWNER}: num_microbatches must be a positive int, got {num_microbatches!r}")
         c = stack.config
-        if c.sequence_parallel or c.sequence_axis is not None:
-            raise ValueError(f"{_OWNER}: sequence_parallel and sequence_axis are not supported with pipeline "
-                             f"parallelism; leave them off")
+        if c.sequence_axis is not None:
+            raise ValueError(f"{_OWNER}: sequence_axis is not supported with pipeline parallelism; leave it off "
+                             f"(Megatron sequence_parallel is)")
         if c.fp8 is not None:
             raise ValueError(f"{_OWNER}: fp8 layers are not supported with pipeline parallelism (their scaling "
                              f"state is per step, not per micro-batch)")
@@ -152,7 +155,9 @@ class PipelinedEncoder(nnx.Module):
 
         specs = nnx.get_partition_spec(state)
         key_spec = None if keys is None else P(pipe)
-        y = jax.shard_map(run_layers, in_specs=(specs, key_spec, P(data), P(data)), out_specs=P(data))(
+        # Megatron sequence parallelism: the layers take and give sequence parts over the tensor axis
+        x_spec = P(data, self.config.tensor_axis) if self.config.sequence_parallel else P(data)
+        y = jax.shard_map(run_layers, in_specs=(specs, key_spec, x_spec, P(data)), out_specs=x_spec)(
             state, keys, x, mask)
         return y if self.final_ln is None else self.final_ln(y)
 

@@ -86,14 +86,16 @@ def _one_device(family):
 
 @functools.cache
 def _pipelined(family, spec):
-    """The pipelined run of `family` ("gpt-remat": GPT with its layers rematerialised) on
-    mesh `spec`, tensor-parallel where it has a tensor axis, from the one-device model's
-    initial state; gradients and params in the unpipelined layout."""
-    family, *remat = family.split("-")
+    """The pipelined run of `family` ("gpt-remat": GPT with its layers rematerialised;
+    "-sp": with Megatron sequence parallelism) on mesh `spec`, tensor-parallel where it
+    has a tensor axis, from the one-device model's initial state; gradients and params
+    in the unpipelined layout."""
+    family, *variant = family.split("-")
     cfg, start, batches, _ = _one_device(family)
     mesh = parallel.make_mesh(spec)
     with jax.set_mesh(mesh):
-        split = cfg.replace(tensor_axis="tensor" if "tensor=" in spec else None, remat=bool(remat))
+        split = cfg.replace(tensor_axis="tensor" if "tensor=" in spec else None, remat="remat" in variant,
+                            sequence_parallel="sp" in variant)
         graphdef, shapes = nnx.split(nnx.eval_shape(lambda: fm.build(split)))
         model = nnx.merge(graphdef, tensor_parallel_state(start, shapes))
         model = shard_module(pipeline_model(model, num_microbatches=MICROBATCHES), mesh)
@@ -111,7 +113,7 @@ def _close(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
 
 
-@pytest.mark.parametrize("family,spec", [(f, m) for m in MESHES for f in ("gpt", "bert")] + [("gpt-remat", DATA_ONLY)])
+@pytest.mark.parametrize("family,spec", [(f, m) for m in MESHES for f in ("gpt", "bert")] + [("gpt-remat", DATA_ONLY), ("bert-sp", MESHES[0])])
 def test_pipelined_zoo_trains_like_one_device(family, spec):
     _, _, _, (want_losses, want_grads, want_params) = _one_device(family.split("-")[0])
     losses, grads, params, _, stacked = _pipelined(family, spec)
@@ -120,7 +122,7 @@ def test_pipelined_zoo_trains_like_one_device(family, spec):
         _close(g, w)
     _close(params, want_params)
     # the stacked layers sit on their stages, tensor-parallel weights split inside them
-    qkv = stacked["encoder" if family == "bert" else "decoder"]["layers"]["attn"]["qkv"]["kernel"]
+    qkv = stacked["encoder" if family.startswith("bert") else "decoder"]["layers"]["attn"]["qkv"]["kernel"]
     assert qkv.get_value().sharding.spec == (P("pipe", None, None, "tensor") if "tensor=" in spec else P("pipe", None, None))
 
 
@@ -199,7 +201,7 @@ def test_sizes_that_do_not_fit():
         _loss_shape(model, batch)
     with pytest.raises(ValueError, match="pipeline_model: the model needs exactly one jax_ls2.nn.TransformerEncoder"):
         _pipelined_shapes(fm.get_config("transformer", "tiny"))
-    with pytest.raises(ValueError, match="PipelinedEncoder: sequence_parallel and sequence_axis are not supported"):
-        _pipelined_shapes(fm.get_config("gpt", "tiny", tensor_axis="tensor", sequence_parallel=True))
+    with pytest.raises(ValueError, match="PipelinedEncoder: sequence_axis is not supported"):
+        _pipelined_shapes(fm.get_config("gpt", "tiny", sequence_axis="seq", attention_backend="flash"))
     with pytest.raises(ValueError, match="PipelinedEncoder: num_microbatches must be a positive int"):
         _pipelined_shapes(fm.get_config("gpt", "tiny"), num_microbatches=0)
