@@ -531,6 +531,9 @@ def main(argv=None):
           flush=True)
     for impl in impls:
         print(f"implementation {describe_impl(impl)}", flush=True)
+    if cfg.sequence_axis is not None:
+        print("attention: ring attention over flash blocks along seq (its dropout masks are those of "
+              "--attention-backend flash on one device)", flush=True)
     first = train(args, cfg, batch_size, seq, impl=args.impl, label=run_name(args),
                   metrics=metrics_path(args, run_name(args)), mesh=mesh)
     print(summary(first), flush=True)

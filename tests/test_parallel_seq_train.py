@@ -47,6 +47,8 @@ def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
     want, want_out = one_device_run
     got, out = _main(RUN + ["--mesh", spec, "--zero1"])
     assert f"mesh {spec} (8 devices, 1 processes)" in out
+    assert "attention: ring attention over flash blocks along seq" in out
+    assert "ring attention" not in want_out
     assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
