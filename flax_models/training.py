@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_models as fm
+from flax_models.pipeline import pipeline_model
 from jax_ls2 import parallel
 from jax_ls2.fp8 import FP8Meta
 from jax_ls2.optim import FusedGradientTransformation, shard_optimizer, update_nnx
@@ -48,7 +49,8 @@ def _adamw(factory, lr: float, steps: int, warmup: int, weight_decay: float):
     return factory(learning_rate=lr_schedule(lr, steps, warmup), weight_decay=weight_decay)
 
 
-def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None, zero: bool = False):
+def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None, zero: bool = False,
+           microbatches: int = 1):
     """(graphdef, state) of (model, optimizer). ``params_from``: a model whose params are
     copied in (so twins start from identical weights).
 
@@ -59,7 +61,9 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
     replicated. Works with several processes: each builds the same host values. With
     ``cfg.tensor_axis`` the model starts from the weights of the same model unsplit
     (so a run on any mesh starts where the one-device run does); build and step it
-    under ``jax.set_mesh(mesh)``."""
+    under ``jax.set_mesh(mesh)``. A mesh whose pipe axis is above 1 runs the layer stack
+    as GPipe stages with ``microbatches`` micro-batches (`flax_models.pipeline`; GPT and
+    BERT on jax_ls2 layers), its layer parameters stacked (L, ...) and split over pipe."""
     split = mesh is not None and cfg.tensor_axis is not None
     whole = cfg.replace(tensor_axis=None, sequence_parallel=False) if split else cfg
     model = fm.build(whole, impl=impl, dtype=dtype, seed=seed, train=True)
@@ -70,6 +74,8 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
         graphdef, like = nnx.split(nnx.eval_shape(lambda: fm.build(cfg, impl=impl, dtype=dtype, seed=seed,
                                                                    train=True)))
         model = nnx.merge(graphdef, tensor_parallel_state(nnx.state(model), like))
+    if mesh is not None and mesh.shape.get(parallel.PIPE, 1) > 1:
+        model = pipeline_model(model, num_microbatches=microbatches)
     if mesh is None:
         if zero:
             raise ValueError("create: zero (ZeRO-1) needs a mesh")
