@@ -33,7 +33,8 @@ class Config:
     (LayerNorm, dropout and residuals on sequence parts over the tensor axis).
     ``sequence_axis``: None or the mesh axis (``"seq"``) the sequence is split over,
     attention through ring attention (see ``jax_ls2.nn.LayerConfig``; GPT so far), with
-    or without ``tensor_axis`` (not with ``sequence_parallel``).
+    or without ``tensor_axis`` (not with ``sequence_parallel``); ``sequence_balance``
+    "zigzag" balances causal attention's work over the ring.
     """
     family: str
     vocab_size: int = 512
@@ -69,6 +70,7 @@ class Config:
     tensor_axis: str | None = None
     sequence_parallel: bool = False
     sequence_axis: str | None = None
+    sequence_balance: str = "none"
 
     def layer_options(self, **fixed) -> dict:
         """The keyword arguments of a layer stack (``lib.TransformerEncoder`` /
@@ -80,7 +82,7 @@ class Config:
         if self.tensor_axis is not None:
             fixed = dict(fixed, tensor_axis=self.tensor_axis, sequence_parallel=self.sequence_parallel)
         if self.sequence_axis is not None:
-            fixed = dict(fixed, sequence_axis=self.sequence_axis)
+            fixed = dict(fixed, sequence_axis=self.sequence_axis, sequence_balance=self.sequence_balance)
         return dict(hidden_size=self.hidden_size, ffn_size=self.ffn_size, num_heads=self.num_heads,
                     attn_dropout=self.attn_dropout, activation_dropout=self.activation_dropout,
                     hidden_dropout=self.hidden_dropout, epsilon=self.epsilon,

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                       f"vocabulary ({', '.join(TENSOR_FAMILIES)}); seq splits the sequence, "
                       f"attention through ring attention ({', '.join(SEQ_FAMILIES)}); pipe above 1 "
                       "is not supported yet (default: one device, no mesh)")
+    a("--sequence-balance", default="none", choices=["none", "zigzag"],
+      help="with --mesh seq=N and gpt: zigzag hands every device the same causal attention work around "
+           "the ring (chunks exchanged for the zigzag layout; --seq a multiple of 2N) (default: none)")
     a("--sequence-parallel", action="store_true",
       help="with --mesh tensor=N: Megatron sequence parallelism (LayerNorm, dropout and "
            "residuals on sequence parts over the tensor axis) (default: off)")
@@ -200,6 +203,10 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--mesh: {e}")
     if args.sequence_parallel and (args.mesh is None or parallel.parse_mesh_spec(args.mesh)[parallel.TENSOR] == 1):
         p.error("--sequence-parallel needs --mesh with tensor above 1 (it splits sequences over the tensor axis)")
+    seq_split = args.mesh is not None and parallel.parse_mesh_spec(args.mesh)[parallel.SEQ] > 1
+    if args.sequence_balance != "none" and not seq_split:
+        p.error(f"--sequence-balance {args.sequence_balance} needs --mesh with seq above 1 (it lays out the sequence "
+                "over the seq axis)")
     if args.zero1 and args.mesh is None:
         p.error("--zero1 needs --mesh (the data axis to split the optimizer state over)")
     if args.zero1 and (args.optimizer != "fused" or args.impl != "ls2" or args.compare):
@@ -284,7 +291,7 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
                 f"{math.prod(sizes.values())})")
     if sizes[parallel.SEQ] > 1:
         check_sequence_split(p, args, cfg, sizes[parallel.SEQ], seq_len)
-        cfg = cfg.replace(sequence_axis=parallel.SEQ)
+        cfg = cfg.replace(sequence_axis=parallel.SEQ, sequence_balance=args.sequence_balance)
     if tensor > 1:
         cfg = cfg.replace(tensor_axis=parallel.TENSOR, sequence_parallel=args.sequence_parallel)
     return mesh, cfg
@@ -297,10 +304,15 @@ def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_l
     if cfg.family not in SEQ_FAMILIES:
         p.error(f"--mesh: {name}: {cfg.family} has no sequence-parallel path; it has for "
                 f"{', '.join(SEQ_FAMILIES)} (or use a mesh without seq)")
-    # the layers' ring holds contiguous chunks (balance "none"), one per device
     if seq_len % size:
         p.error(f"--mesh: {name} does not divide --seq {seq_len}; use a sequence length that is a multiple "
                 f"of {size}")
+    if args.sequence_balance == "zigzag":
+        if cfg.family != "gpt":
+            p.error(f"--sequence-balance zigzag balances causal attention (gpt), not {cfg.family}'s; leave it out")
+        if seq_len % (2 * size):
+            p.error(f"--mesh: {name} with --sequence-balance zigzag needs --seq a multiple of {2 * size} "
+                    f"(2 x seq), got {seq_len}")
     if args.mlm_max_predictions:
         p.error(f"--mesh: {name} cannot be combined with --mlm-max-predictions (picking the predicted positions "
                 "would gather the split sequence)")

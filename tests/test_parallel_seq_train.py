@@ -42,17 +42,18 @@ def one_device_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["seq=8", "data=2,seq=4", "data=2,seq=2,tensor=2"])
-def test_sequence_mesh_prints_the_same_losses(one_device_run, spec):
+@pytest.mark.parametrize("spec, balance", [("seq=8", "none"), ("data=2,seq=4", "none"),
+                                           ("data=2,seq=2,tensor=2", "none"), ("data=2,seq=4", "zigzag")])
+def test_sequence_mesh_prints_the_same_losses(one_device_run, spec, balance):
     want, want_out = one_device_run
-    got, out = _main(RUN + ["--mesh", spec, "--zero1"])
+    got, out = _main(RUN + ["--mesh", spec, "--zero1", "--sequence-balance", balance])
     assert f"mesh {spec} (8 devices, 1 processes)" in out
     assert "attention: ring attention over flash blocks along seq" in out
     assert "ring attention" not in want_out
     assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
-    assert model.cfg.sequence_axis == "seq"
+    assert model.cfg.sequence_axis == "seq" and model.cfg.sequence_balance == balance
 
 
 @pytest.mark.slow
@@ -106,6 +107,12 @@ def test_token_arrays_are_split_over_data_and_seq():
     (["--model", "bert", "--mesh", "seq=8", "--mlm-max-predictions", "4"],
      "seq=8 cannot be combined with --mlm-max-predictions"),
     (["--model", "gpt", "--seq", "18", "--mesh", "data=2,seq=4"], "--mesh: seq=4 does not divide --seq 18"),
+    (["--model", "gpt", "--seq", "20", "--mesh", "data=2,seq=4", "--sequence-balance", "zigzag"],
+     "--mesh: seq=4 with --sequence-balance zigzag needs --seq a multiple of 8 (2 x seq), got 20"),
+    (["--model", "gpt", "--mesh", "data=8", "--sequence-balance", "zigzag"],
+     "--sequence-balance zigzag needs --mesh with seq above 1"),
+    (["--model", "bert", "--mesh", "seq=8", "--sequence-balance", "zigzag"],
+     "--sequence-balance zigzag balances causal attention (gpt), not bert's"),
     (["--model", "gpt", "--mesh", "data=2,tensor=2,seq=2", "--sequence-parallel"],
      "seq=2 cannot be combined with --sequence-parallel"),
     (["--model", "gpt", "--mesh", "seq=8", "--compare"], "seq=8 cannot be combined with --compare"),

@@ -7,6 +7,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -18,6 +19,7 @@ import flax_models as fm
 from jax_ls2 import nn
 from jax_ls2.nn import tensor_parallel_state
 from jax_ls2.parallel.mesh import shard_module
+from jax_ls2.parallel.ring_attention import from_zigzag_chunks, to_zigzag_chunks, zigzag_permute
 
 HIDDEN, FFN, HEADS = 64, 128, 4
 
@@ -81,6 +83,57 @@ def test_bert_on_sequence_shards_trains_like_one_device(reference):
     _close(params, want_params)
     counts = _collectives(hlo)
     assert counts["all-gather"] == 0 and counts["collective-permute"] > 0, counts
+
+
+@pytest.mark.slow
+def test_gpt_with_zigzag_balance_trains_like_one_device(reference):
+    """Causal attention with sequence_balance="zigzag" on (data 2, seq 4): the layers keep
+    contiguous chunks, the ring runs on the zigzag layout; the same losses, gradients and
+    params as one device, nothing gathered."""
+    _, _, start, batches, (want_losses, want_grads, want_params) = reference("gpt-flash")
+    cfg = fm.get_config("gpt", "tiny", attention_backend="flash", sequence_axis="seq", sequence_balance="zigzag",
+                        **DROPOUT)
+    mesh = _mesh("data=2,seq=4")
+    with jax.set_mesh(mesh):
+        model = shard_module(nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: fm.build(cfg))), start), mesh)
+        sharded = [jax.device_put(b, NamedSharding(mesh, P("data", "seq"))) for b in batches]
+        losses, grads, params = _train(model, sharded)
+        hlo = _train.last_program()
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+    _close(params, want_params)
+    counts = _collectives(hlo)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] > 0, counts
+    # half-chunk exchanges into and out of the zigzag layout, beside the ring's whole chunks
+    passed = set(re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} collective-permute(?:-start)?\(", hlo))
+    head_dim = cfg.hidden_size // cfg.num_heads
+    assert f"{BATCH // 2},{LEN // 8},{cfg.num_heads},{head_dim}" in passed, passed
+
+
+def test_zigzag_chunks_are_the_zigzag_layout_split_over_the_axis():
+    mesh = _mesh("seq=4")
+    x = jax.random.normal(jax.random.key(0), (2, 16, 3))
+    split = P(None, "seq")
+    to = jax.jit(jax.shard_map(lambda c: to_zigzag_chunks(c, "seq"), mesh=mesh, in_specs=split, out_specs=split))
+    back = jax.jit(jax.shard_map(lambda c: from_zigzag_chunks(c, "seq"), mesh=mesh, in_specs=split, out_specs=split))
+    zig = to(x)
+    np.testing.assert_array_equal(zig, zigzag_permute(x, 4))
+    np.testing.assert_array_equal(back(zig), x)
+    with pytest.raises(ValueError, match="to_zigzag_chunks: the chunk length \\(3\\) must be even"):
+        jax.shard_map(lambda c: to_zigzag_chunks(c, "seq"), mesh=mesh, in_specs=split, out_specs=split)(
+            jnp.zeros((2, 12, 3)))
+
+
+def test_zigzag_needs_twice_the_axis_in_the_sequence():
+    with pytest.raises(ValueError, match="LayerConfig: sequence_balance must be one of"):
+        nn.LayerConfig(HIDDEN, FFN, HEADS, sequence_axis="seq", sequence_balance="striped")
+    with jax.set_mesh(_mesh("seq=4")):
+        layer = nn.TransformerEncoderLayer(HIDDEN, FFN, HEADS, attention_backend="flash", sequence_axis="seq",
+                                           sequence_balance="zigzag", deterministic=True, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=r"the sequence length \(12\) must be a multiple of 2 x the size \(4\)"):
+            jax.eval_shape(lambda x: layer(x, causal=True), jax.ShapeDtypeStruct((2, 12, HIDDEN), jnp.float32))
+        jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 12, HIDDEN), jnp.float32))  # non-causal: no zigzag
 
 
 def test_bert_refuses_mlm_max_predictions_on_sequence_shards():

@@ -183,6 +183,15 @@ def check_sequence_axis(owner: str, sequence_axis, attention_backend: str, fp8=N
                          f"{sequence_axis!r}, leave sequence_parallel off")
 
 
+SEQUENCE_BALANCES = ("none", "zigzag")
+
+
+def check_sequence_balance(owner: str, balance) -> str:
+    if balance not in SEQUENCE_BALANCES:
+        raise ValueError(f"{owner}: sequence_balance must be one of {SEQUENCE_BALANCES}, got {balance!r}")
+    return balance
+
+
 def require_tensor_axis(owner: str, axis: str, sizes: dict) -> None:
     """At call time with tensor parallelism: the axis must be known (inside ``shard_map``
     or in the mesh set by ``jax.set_mesh``) and divide ``sizes``."""

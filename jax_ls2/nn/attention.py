@@ -30,9 +30,10 @@ from jax_ls2.nn import _ops_compat as ops
 from jax.sharding import PartitionSpec as P
 
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,
-                                check_sequence_axis, check_tensor_parallel, matmul, promoted_dtype,
-                                require_tensor_axis, resolve_deterministic, rng_stream, tensor_axis_size)
-from jax_ls2.parallel.ring_attention import ring_attention
+                                check_sequence_axis, check_sequence_balance, check_tensor_parallel, matmul,
+                                promoted_dtype, require_tensor_axis, resolve_deterministic, rng_stream,
+                                tensor_axis_size)
+from jax_ls2.parallel.ring_attention import from_zigzag_chunks, ring_attention, to_zigzag_chunks
 from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
                                      column_parallel_linear, row_parallel_linear)
 
@@ -155,6 +156,11 @@ class MultiHeadAttention(nnx.Module):
       sequence_parallel: with ``tensor_axis``, x and memory come split along the
         sequence (dim 1) over the tensor axis and are all-gathered before the
         projections; the output projection reduce-scatters along the sequence.
+      sequence_balance: with ``sequence_axis``, "none" (default): the ring runs on the
+        contiguous chunks the layers hold; "zigzag": under causal attention the chunks
+        are exchanged for the zigzag layout before the ring and back after (two
+        half-chunk ``ppermute``s each way), so every device does the same attention
+        work; the sequence length must then be a multiple of 2 x the axis size.
       sequence_axis: self-attention only: None, or the mesh axis the sequence is split
         over (see `jax_ls2.nn.LayerConfig`): attention then runs as
         `jax_ls2.parallel.ring_attention` (flash blocks, contiguous chunks) inside
@@ -169,12 +175,13 @@ class MultiHeadAttention(nnx.Module):
                  deterministic: bool | None = None, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), fp8=None, fp8_amax_axes=(),
                  tensor_axis: str | None = None, sequence_parallel: bool = False,
-                 sequence_axis: str | None = None, rngs: nnx.Rngs):
+                 sequence_axis: str | None = None, sequence_balance: str = "none", rngs: nnx.Rngs):
         self.head_dim = check_heads("MultiHeadAttention", hidden_size, num_heads)
         check_sequence_axis("MultiHeadAttention", sequence_axis, attention_backend, fp8, sequence_parallel)
         if sequence_axis is not None and not self_attention:
             raise ValueError("MultiHeadAttention: sequence_axis applies to self-attention only")
         self.sequence_axis = sequence_axis
+        self.sequence_balance = check_sequence_balance("MultiHeadAttention", sequence_balance)
         check_tensor_parallel("MultiHeadAttention", tensor_axis, sequence_parallel, {"num_heads": num_heads})
         if tensor_axis is not None and fp8 is not None:
             raise ValueError("MultiHeadAttention: fp8 with tensor_axis is not supported; leave one of them unset")
@@ -384,9 +391,12 @@ class MultiHeadAttention(nnx.Module):
         if tensor_axis_size(axis) in (None, 1):  # no split: the single-device equivalent
             return attention_core(q, k, v, padding_mask=padding_mask, key=key, backend="flash", **kw)
         n = tensor_axis_size(axis)
-        if q.shape[1] % n:
-            raise ValueError(f"MultiHeadAttention: the sequence length ({q.shape[1]}) must be a multiple of the size "
-                             f"({n}) of mesh axis {axis!r} (sequence_axis); pad the sequence or change the mesh")
+        zigzag = causal and self.sequence_balance == "zigzag"
+        if q.shape[1] % (2 * n if zigzag else n):
+            what = f"2 x the size ({n}) of mesh axis {axis!r} (sequence_axis, zigzag balance)" if zigzag else \
+                f"the size ({n}) of mesh axis {axis!r} (sequence_axis)"
+            raise ValueError(f"MultiHeadAttention: the sequence length ({q.shape[1]}) must be a multiple of {what}; "
+                             f"pad the sequence or change the mesh")
         split = P(None, axis)
         args, specs = [q, k, v], [split] * 3
         if padding_mask is not None:
@@ -398,8 +408,12 @@ class MultiHeadAttention(nnx.Module):
 
         def ring(q, k, v, *rest):
             mask = rest[0] if padding_mask is not None else None
-            return ring_attention(q, k, v, axis_name=axis, padding_mask=mask, key=rest[-1] if key is not None else None,
-                                  impl="flash", balance="none", **kw)
+            if zigzag:
+                q, k, v = (to_zigzag_chunks(t, axis) for t in (q, k, v))
+                mask = None if mask is None else to_zigzag_chunks(mask, axis)
+            out = ring_attention(q, k, v, axis_name=axis, padding_mask=mask, key=rest[-1] if key is not None else None,
+                                 impl="flash", balance="zigzag" if zigzag else "none", **kw)
+            return from_zigzag_chunks(out, axis) if zigzag else out
         if bound_axis_size(axis) is not None:
             return ring(*args)
         return jax.shard_map(ring, in_specs=tuple(specs), out_specs=split, axis_names={axis})(*args)

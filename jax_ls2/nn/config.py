@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jax_ls2.nn._common import (check_activation, check_fp8, check_heads, check_rate, check_sequence_axis,
-                                check_tensor_parallel)
+                                check_sequence_balance, check_tensor_parallel)
 from jax_ls2.nn.attention import BACKENDS
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
@@ -79,6 +79,9 @@ class LayerConfig:
         of ``attention_backend="flash"`` on one device. With ``tensor_axis`` too, the
         heads stay split over the tensor axis through the ring. Needs attention_backend
         "flash" or "auto"; not with ``sequence_parallel`` or fp8, nor in cross-attention.
+      sequence_balance: with ``sequence_axis``, "none" (default) or "zigzag": causal
+        attention exchanges the contiguous chunks for the zigzag layout around the
+        ring, so every device does the same work (see `MultiHeadAttention`).
     """
     hidden_size: int
     ffn_size: int
@@ -98,6 +101,7 @@ class LayerConfig:
     tensor_axis: str | None = None
     sequence_parallel: bool = False
     sequence_axis: str | None = None
+    sequence_balance: str = "none"
 
     def __post_init__(self):
         for name, value in _checked("LayerConfig", _fields(self)).items():
@@ -165,6 +169,7 @@ def _checked(owner: str, f: dict) -> dict:
     if f["tensor_axis"] is not None and f["fp8"] is not None:
         raise ValueError(f"{owner}: fp8 with tensor_axis is not supported; leave one of them unset")
     check_sequence_axis(owner, f["sequence_axis"], f["attention_backend"], f["fp8"], f["sequence_parallel"])
+    check_sequence_balance(owner, f["sequence_balance"])
     return f
 
 

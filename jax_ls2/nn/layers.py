@@ -97,7 +97,7 @@ class _Block(nnx.Module):
             raise ValueError(f"{self._owner}: sequence_axis is not supported in layers with cross-attention yet")
         self.attn_ln = LayerNorm(c.hidden_size, **ln)
         self.attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=True,
-                                       sequence_axis=c.sequence_axis, **attn)
+                                       sequence_axis=c.sequence_axis, sequence_balance=c.sequence_balance, **attn)
         if self._cross:
             self.cross_ln = LayerNorm(c.hidden_size, **ln)
             self.cross_attn = MultiHeadAttention(c.hidden_size, c.num_heads, self_attention=False,

@@ -49,7 +49,9 @@ Layout (``balance``):
   ``c/2 x c/2`` quarter blocks of the block it holds (the other two are fully masked and
   skipped by construction, no branch). Put a global sequence into this layout with
   `zigzag_permute` before sharding it over the axis (and positions for embeddings with
-  `zigzag_order`), and back with `zigzag_unpermute`. The layout does not depend on
+  `zigzag_order`), and back with `zigzag_unpermute`; or, inside ``shard_map``, exchange
+  contiguous chunks for zigzag ones with `to_zigzag_chunks` (two half-chunk
+  ``ppermute``s) and back with `from_zigzag_chunks`. The layout does not depend on
   ``causal``: non-causal attention runs on it too (every block is full).
 
 Dropout (both impls): the mask is the single-device mask of ``ops.flash_attention``
@@ -110,6 +112,49 @@ def zigzag_unpermute(x, ring_size: int, *, axis: int = 1):
     """The inverse of `zigzag_permute`: ``x`` in zigzag order back to natural order."""
     order = _zigzag_order("zigzag_unpermute", _seq_len("zigzag_unpermute", x, axis), ring_size)
     return jnp.take(x, np.argsort(order), axis=axis)
+
+
+def _piece_destinations(ring_size: int, parity: int) -> list:
+    """(device, device) pairs: where each device's natural piece ``2 r + parity`` lives in
+    the zigzag layout (piece ``j`` on device ``j`` if ``j < P``, else ``2P - 1 - j``)."""
+    home = lambda j: j if j < ring_size else 2 * ring_size - 1 - j  # noqa: E731
+    return [(r, home(2 * r + parity)) for r in range(ring_size)]
+
+
+def to_zigzag_chunks(x, axis_name: str, *, axis: int = 1):
+    """Inside ``shard_map`` over ``axis_name``: this device's contiguous chunk ``x``
+    (device ``r`` holding positions ``[r c, (r + 1) c)`` along dim ``axis``) exchanged
+    for its chunk of the zigzag layout (pieces ``r`` and ``2P - 1 - r`` of ``c / 2``),
+    the layout `ring_attention` balances causal work with. Two ``ppermute``s of half a
+    chunk each; nothing is gathered. Raises ValueError for an odd chunk."""
+    ring = _ring_size("to_zigzag_chunks", x, axis_name, axis)
+    first, second = jnp.split(x, 2, axis=axis)  # natural pieces 2r and 2r + 1
+    even = jax.lax.ppermute(first, axis_name, _piece_destinations(ring, 0))
+    odd = jax.lax.ppermute(second, axis_name, _piece_destinations(ring, 1))
+    # device d's pieces d and 2P-1-d: the even one comes first on an even device
+    even_device = jax.lax.axis_index(axis_name) % 2 == 0
+    return jnp.concatenate([jnp.where(even_device, even, odd), jnp.where(even_device, odd, even)], axis=axis)
+
+
+def from_zigzag_chunks(x, axis_name: str, *, axis: int = 1):
+    """The inverse of `to_zigzag_chunks`: this device's zigzag chunk back to its
+    contiguous chunk."""
+    ring = _ring_size("from_zigzag_chunks", x, axis_name, axis)
+    a, b = jnp.split(x, 2, axis=axis)
+    even_device = jax.lax.axis_index(axis_name) % 2 == 0
+    back = lambda pairs: [(dst, src) for src, dst in pairs]  # noqa: E731
+    first = jax.lax.ppermute(jnp.where(even_device, a, b), axis_name, back(_piece_destinations(ring, 0)))
+    second = jax.lax.ppermute(jnp.where(even_device, b, a), axis_name, back(_piece_destinations(ring, 1)))
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def _ring_size(op, x, axis_name, axis):
+    ring = bound_axis_size(axis_name)
+    if ring is None:
+        raise ValueError(f"{op}: axis_name {axis_name!r} must be a mapped axis (call inside shard_map over it)")
+    if _seq_len(op, x, axis) % 2:
+        raise ValueError(f"{op}: the chunk length ({x.shape[axis]}) must be even for the zigzag layout")
+    return ring
 
 
 def _seq_len(op, x, axis):
