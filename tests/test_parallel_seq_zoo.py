@@ -136,6 +136,28 @@ def test_zigzag_needs_twice_the_axis_in_the_sequence():
         jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((2, 12, HIDDEN), jnp.float32))  # non-causal: no zigzag
 
 
+@pytest.mark.parametrize("balance", ["none", "zigzag"])
+def test_attention_inside_shard_map_over_seq_takes_any_chunk(balance):
+    """Inside shard_map over (seq 4) the attention gets one chunk (here 2 positions, not a
+    multiple of 4) and gives the rows of one-device flash attention, dropout included."""
+    mha = nn.MultiHeadAttention(HIDDEN, HEADS, attn_dropout=0.1, attention_backend="flash", sequence_axis="seq",
+                                sequence_balance=balance, rngs=nnx.Rngs(0))
+    whole = nn.MultiHeadAttention(HIDDEN, HEADS, attn_dropout=0.1, attention_backend="flash", rngs=nnx.Rngs(0))
+    nnx.update(whole, nnx.state(mha))
+    x = jax.random.normal(jax.random.key(1), (2, 8, HIDDEN))
+    want = whole(x, causal=True, deterministic=False)
+    mha = nn.MultiHeadAttention(HIDDEN, HEADS, attn_dropout=0.1, attention_backend="flash", sequence_axis="seq",
+                                sequence_balance=balance, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(mha)
+    mesh = _mesh("seq=4")
+
+    def chunk(state, x):
+        return nnx.merge(graphdef, state)(x, causal=True, deterministic=False)
+    got = jax.jit(jax.shard_map(chunk, mesh=mesh, in_specs=(P(), P(None, "seq")), out_specs=P(None, "seq"),
+                                check_vma=False))(state, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_bert_refuses_mlm_max_predictions_on_sequence_shards():
     cfg = fm.get_config("bert", "tiny", attention_backend="flash", sequence_axis="seq", mlm_max_predictions=4)
     with pytest.raises(ValueError, match="Bert: mlm_max_predictions with sequence_axis is not supported"):

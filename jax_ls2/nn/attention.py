@@ -390,9 +390,14 @@ class MultiHeadAttention(nnx.Module):
         kw = dict(causal=causal, rate=self.attn_dropout, deterministic=deterministic or self.attn_dropout == 0)
         if tensor_axis_size(axis) in (None, 1):  # no split: the single-device equivalent
             return attention_core(q, k, v, padding_mask=padding_mask, key=key, backend="flash", **kw)
-        n = tensor_axis_size(axis)
+        n, bound = tensor_axis_size(axis), bound_axis_size(axis) is not None
         zigzag = causal and self.sequence_balance == "zigzag"
-        if q.shape[1] % (2 * n if zigzag else n):
+        heads_bound = self.tensor_axis is not None and (bound_axis_size(self.tensor_axis) or 1) > 1
+        if heads_bound and not kw["deterministic"]:
+            raise ValueError("MultiHeadAttention: attention dropout with sequence_axis inside shard_map over the "
+                             "tensor axis is not supported (the ring's masks are numbered over the heads it is given); "
+                             "call the layer under jit with the mesh set, or inside shard_map over the sequence axis")
+        if not bound and q.shape[1] % (2 * n if zigzag else n):  # inside shard_map q holds one chunk
             what = f"2 x the size ({n}) of mesh axis {axis!r} (sequence_axis, zigzag balance)" if zigzag else \
                 f"the size ({n}) of mesh axis {axis!r} (sequence_axis)"
             raise ValueError(f"MultiHeadAttention: the sequence length ({q.shape[1]}) must be a multiple of {what}; "
@@ -414,7 +419,7 @@ class MultiHeadAttention(nnx.Module):
             out = ring_attention(q, k, v, axis_name=axis, padding_mask=mask, key=rest[-1] if key is not None else None,
                                  impl="flash", balance="zigzag" if zigzag else "none", **kw)
             return from_zigzag_chunks(out, axis) if zigzag else out
-        if bound_axis_size(axis) is not None:
+        if bound:
             return ring(*args)
         return jax.shard_map(ring, in_specs=tuple(specs), out_specs=split, axis_names={axis})(*args)
 
