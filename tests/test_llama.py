@@ -257,8 +257,8 @@ def test_lowering_for_cuda_calls_the_fused_kernels(monkeypatch):
     """A bf16 LLaMA block's value and gradients, lowered for CUDA (no GPU needed: the
     targets are declared registered, as in test_ffi_targets), call the fused kernels:
     RMSNorm (plain and with the residual add), rotary, flash attention and the gated
-    activation, forward and backward; and a decode step calls flash attention on the
-    cache."""
+    activation, forward and backward; and a decode step calls the rotary kernel, with
+    XLA's attention over the cache unless attention_backend="flash"."""
     import re
 
     from jax_ls2 import _ffi
@@ -278,9 +278,13 @@ def test_lowering_for_cuda_calls_the_fused_kernels(monkeypatch):
         assert {"rms_norm_fwd", "rms_norm_bwd", "rotary_fwd", "rotary_bwd", "flash_attention_fwd",
                 "flash_attention_bwd", "gated_act_dropout_fwd", "gated_act_dropout_bwd"} <= called, called
         assert any(c.startswith("add_rms_norm") for c in called), called
-        layer.init_cache(2, 16)
-        step = jax.jit(lambda s, x: nnx.merge(*s)(x, decode=True)).trace(nnx.split(layer), x[:, :1])
-        assert "jax_ls2_flash_attention_fwd" in step.lower(lowering_platforms=("cuda",)).as_text()
+        # Decoding attends the cache through XLA by default, through the kernel when asked.
+        for backend, flash in (("auto", False), ("flash", True)):
+            layer.attention_backend = backend
+            layer.init_cache(2, 16)
+            step = jax.jit(lambda s, x: nnx.merge(*s)(x, decode=True)).trace(nnx.split(layer), x[:, :1])
+            text = step.lower(lowering_platforms=("cuda",)).as_text()
+            assert ("jax_ls2_flash_attention_fwd" in text) == flash and "jax_ls2_rotary_fwd" in text, backend
     finally:
         forget_choices()
 
