@@ -119,8 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "data=2,tensor=4 (axes: pipe, data, seq, tensor; unnamed axes size 1; the "
                       "sizes must multiply to the device count); tensor splits heads, FFN and "
                       f"vocabulary ({', '.join(TENSOR_FAMILIES)}); seq splits the sequence, "
-                      f"attention through ring attention ({', '.join(SEQ_FAMILIES)}); pipe above 1 "
-                      "is not supported yet (default: one device, no mesh)")
+                      f"attention through ring attention ({', '.join(SEQ_FAMILIES)}); pipe runs the "
+                      f"layer stack as GPipe stages ({', '.join(PIPE_FAMILIES)}; see --microbatches) "
+                      "(default: one device, no mesh)")
+    a("--microbatches", type=int, default=0,
+      help="with --mesh pipe=N: micro-batches a data part of the batch is cut into for the "
+           "pipeline schedule (default: N)")
     a("--sequence-balance", default="none", choices=["none", "zigzag"],
       help="with --mesh seq=N and gpt: zigzag hands every device the same causal attention work around "
            "the ring (chunks exchanged for the zigzag layout; --seq a multiple of 2N) (default: none)")
@@ -207,6 +211,10 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.sequence_balance != "none" and not seq_split:
         p.error(f"--sequence-balance {args.sequence_balance} needs --mesh with seq above 1 (it lays out the sequence "
                 "over the seq axis)")
+    if args.microbatches < 0:
+        p.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.microbatches and (args.mesh is None or parallel.parse_mesh_spec(args.mesh)[parallel.PIPE] == 1):
+        p.error("--microbatches needs --mesh with pipe above 1 (it cuts the batch for the pipeline stages)")
     if args.zero1 and args.mesh is None:
         p.error("--zero1 needs --mesh (the data axis to split the optimizer state over)")
     if args.zero1 and (args.optimizer != "fused" or args.impl != "ls2" or args.compare):
@@ -243,8 +251,9 @@ def config_from(args):
 
 
 # ---------------------------------------------------------------------------- the mesh
-UNSUPPORTED_AXES = (parallel.PIPE,)
-"""Mesh axes the zoo models cannot be split over yet (their size must be 1)."""
+PIPE_FAMILIES = ("bert", "gpt")
+"""The families whose layer stack runs as pipeline stages over the pipe axis
+(`flax_models.pipeline`)."""
 TENSOR_FAMILIES = ("bert", "gpt", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
 SEQ_FAMILIES = ("bert", "gpt")
@@ -284,17 +293,37 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
     if batch_size % sizes[parallel.DATA]:
         p.error(f"--mesh: data={sizes[parallel.DATA]} does not divide --batch {batch_size}; use a batch that "
                 "is a multiple of the data size")
-    unsupported = [f"{a}={sizes[a]}" for a in UNSUPPORTED_AXES if sizes[a] > 1]
-    if unsupported:
-        p.error(f"--mesh: {', '.join(unsupported)}: splitting the zoo models over the pipe axis is not "
-                "supported yet; use data, seq and tensor (e.g. --mesh data="
-                f"{math.prod(sizes.values())})")
+    if sizes[parallel.PIPE] > 1:
+        check_pipeline_split(p, args, cfg, sizes, batch_size)
     if sizes[parallel.SEQ] > 1:
         check_sequence_split(p, args, cfg, sizes[parallel.SEQ], seq_len)
         cfg = cfg.replace(sequence_axis=parallel.SEQ, sequence_balance=args.sequence_balance)
     if tensor > 1:
         cfg = cfg.replace(tensor_axis=parallel.TENSOR, sequence_parallel=args.sequence_parallel)
     return mesh, cfg
+
+
+def microbatches(args) -> int:
+    """The pipeline's micro-batches per data part: --microbatches, else the pipe size."""
+    if args.mesh is None:
+        return 1
+    return args.microbatches or parallel.parse_mesh_spec(args.mesh)[parallel.PIPE]
+
+
+def check_pipeline_split(p: argparse.ArgumentParser, args, cfg, sizes, batch_size: int) -> None:
+    """Usage errors for a pipe axis above 1 that the model, the options or the batch do not take."""
+    pipe = sizes[parallel.PIPE]
+    if cfg.family not in PIPE_FAMILIES:
+        p.error(f"--mesh: pipe={pipe}: {cfg.family} cannot run as pipeline stages; it can for "
+                f"{', '.join(PIPE_FAMILIES)} (or use a mesh without pipe)")
+    for flag, given in (("--compare", args.compare), ("--fp8", cfg.fp8 is not None),
+                        ("--mesh seq", sizes[parallel.SEQ] > 1)):
+        if given:
+            p.error(f"--mesh: pipe={pipe} cannot be combined with {flag}")
+    per_data = batch_size // sizes[parallel.DATA]
+    if per_data % microbatches(args):
+        p.error(f"--mesh: the batch's data part ({per_data} sequences) is not a multiple of the "
+                f"{microbatches(args)} micro-batches; give --batch or --microbatches to match")
 
 
 def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_len: int) -> None:
@@ -435,7 +464,8 @@ def _train(args, cfg, batch_size, seq, *, impl, params_from, label, metrics, mes
                                            fused=args.optimizer == "fused")
     graphdef, state = training.create(cfg, impl=impl, dtype=dtype, seed=args.seed, tx=tx,
                                       params_from=params_from, mesh=mesh,
-                                      zero=bool(getattr(args, "zero1", False)))
+                                      zero=bool(getattr(args, "zero1", False)),
+                                      microbatches=microbatches(args))
     layout = training.optimizer_layout(graphdef, state)
     if layout:
         opt_name = f"{opt_name} (state split over {layout})"

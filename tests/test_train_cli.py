@@ -282,7 +282,7 @@ def test_checksum_mismatch_is_refused(compare_run, tmp_path):
     (["--mesh", "tensor=8"], "tensor=8 does not divide the 4 heads of gpt/tiny"),
     (["--mesh", "data=2,pipe=4"], "pipe=4 does not divide the 2 layers of gpt/tiny"),
     (["--mesh", "data=8", "--batch", "4"], "data=8 does not divide --batch 4"),
-    (["--mesh", "data=4,pipe=2"], "pipe=2: splitting the zoo models over the pipe axis is not supported yet"),
+    (["--mesh", "data=4,pipe=2", "--compare"], "--mesh: pipe=2 cannot be combined with --compare"),
     (["--mesh", "data=4,tensor=2", "--compare"], "tensor=2 cannot be combined with --compare"),
     (["--mesh", "data=8", "--sequence-parallel"], "--sequence-parallel needs --mesh with tensor above 1"),
     (["--zero1"], "--zero1 needs --mesh"),
