@@ -2,8 +2,6 @@
 tiny GPT and BERT with FP8 GEMMs beside their bf16 jax_ls2 twins from the same weights
 and data; the FP8 loss tracks the bf16 one within 2% at every step, and the step
 updates the FP8 meta."""
-import contextlib
-import io
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +13,13 @@ import flax_models as fm
 from flax_models import data, training
 from flax_models import train as T
 from jax_ls2 import fp8
+from train_runs import run_main as _main
 
 STEPS = 6
 # A learning rate that moves the loss within the few steps, so that tracking means something.
 ARGS = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--steps", str(STEPS), "--dtype", "bfloat16",
         "--lr", "1e-2", "--warmup", "1", "--eval-every", "0", "--quiet", "--fp8", "--fp8-amax-history", "8",
         "--compare"]
-
-
-def _main(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = T.main(argv)
-    return result, out.getvalue()
 
 
 @pytest.fixture(scope="module", params=["gpt", "bert"])

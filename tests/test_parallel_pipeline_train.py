@@ -1,9 +1,6 @@
 """The training command with ``--mesh pipe=N``: GPT's layer stack as GPipe stages over
 the pipe axis, with data and tensor parallelism, prints the losses of the run without a
 mesh; what cannot run as pipeline stages is a usage error."""
-import contextlib
-import io
-import re
 
 import numpy as np
 import pytest
@@ -11,20 +8,10 @@ from flax import nnx
 
 from flax_models import train as T
 from flax_models.pipeline import PipelinedEncoder
+from train_runs import printed_losses, run_main as _main
 
 RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3", "--dropout", "0.1",
        "--eval-every", "0", "--log-every", "1"]
-
-
-def _main(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = T.main(argv)
-    return result, out.getvalue()
-
-
-def _printed_losses(out):
-    return re.findall(r"^ls2 step \d+/3 \| loss (\d+\.\d{4})", out, re.M)
 
 
 @pytest.mark.slow
@@ -32,7 +19,7 @@ def test_pipeline_mesh_prints_the_same_losses():
     want, want_out = _main(RUN)
     got, out = _main(RUN + ["--mesh", "pipe=2,data=2,tensor=2"])
     assert "mesh pipe=2,data=2,tensor=2 (8 devices, 1 processes)" in out, out
-    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    assert len(printed_losses(out, 3)) == 3 and printed_losses(out, 3) == printed_losses(want_out, 3)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
     assert any(isinstance(v, PipelinedEncoder) for v in vars(model).values())

@@ -2,8 +2,6 @@
 seq axis (attention through ring attention), alone and with the data and tensor axes,
 prints the losses of the run without a mesh; what cannot be split over seq is a usage
 error."""
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -18,22 +16,12 @@ import flax_models as fm
 from flax_models import data, training
 from flax_models import train as T
 from jax_ls2 import parallel
+from train_runs import printed_losses, run_main as _main
 
 # the ring runs flash attention blocks, whose dropout masks are the one-device "flash"
 # backend's (not the "fused" ones "auto" picks under dropout on one device)
 RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3", "--dropout", "0.1",
        "--attention-backend", "flash", "--eval-every", "0", "--log-every", "1"]
-
-
-def _main(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = T.main(argv)
-    return result, out.getvalue()
-
-
-def _printed_losses(out):
-    return re.findall(r"^ls2 step \d+/3 \| loss (\d+\.\d{4})", out, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +38,7 @@ def test_sequence_mesh_prints_the_same_losses(one_device_run, spec, balance):
     assert f"mesh {spec} (8 devices, 1 processes)" in out
     assert "attention: ring attention over flash blocks along seq" in out
     assert "ring attention" not in want_out
-    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    assert len(printed_losses(out, 3)) == 3 and printed_losses(out, 3) == printed_losses(want_out, 3)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
     assert model.cfg.sequence_axis == "seq" and model.cfg.sequence_balance == balance
@@ -66,7 +54,7 @@ def test_command_on_four_devices_with_seq_4(one_device_run, tmp_path):
                            "--eval-batches", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh seq=4 (4 devices, 1 processes)" in done.stdout
-    assert len(_printed_losses(done.stdout)) == 3 and _printed_losses(done.stdout) == _printed_losses(want_out)
+    assert len(printed_losses(done.stdout, 3)) == 3 and printed_losses(done.stdout, 3) == printed_losses(want_out, 3)
     assert re.search(r"^ls2 step 3: held-out loss \d+\.\d{4}", done.stdout, re.M), done.stdout
 
 
@@ -75,7 +63,7 @@ def test_bert_on_a_sequence_mesh_prints_the_same_losses():
     bert = RUN[:1] + ["bert"] + RUN[2:]
     want, want_out = _main(bert)
     got, out = _main(bert + ["--mesh", "data=2,seq=4"])
-    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    assert len(printed_losses(out, 3)) == 3 and printed_losses(out, 3) == printed_losses(want_out, 3)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
 
 
@@ -87,7 +75,7 @@ def test_sequence_mesh_with_the_default_backend_trains():
     plain[plain.index("--dropout") + 1] = "0"
     want, want_out = _main(plain)
     got, out = _main(plain + ["--mesh", "data=2,seq=4"])
-    assert _printed_losses(out) == _printed_losses(want_out)
+    assert printed_losses(out, 3) == printed_losses(want_out, 3)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
 
 

@@ -1,8 +1,6 @@
 """The training command's interface: usage errors, --help, log lines, held-out evaluation,
 metrics file and plot, checkpoint integrity, and the optimizer choice without fallback."""
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -20,6 +18,7 @@ import jax_ls2
 import jax_ls2.optim
 from flax_models import data, metrics, plot, training
 from flax_models import train as T
+from train_runs import printed_losses, run_main as _main
 
 
 def test_make_optimizer_raises_instead_of_falling_back(monkeypatch):
@@ -38,13 +37,6 @@ def test_make_optimizer_raises_instead_of_falling_back(monkeypatch):
 # and writes metrics; a resume of it; and a --resume on a directory that does not exist.
 TINY = ["--model", "gpt", "--batch", "2", "--seq", "16"]
 TOKENS_PER_STEP = 2 * 16
-
-
-def _main(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = T.main(argv)
-    return result, out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -343,16 +335,12 @@ def one_device_run():
     return _main(MESH_RUN)
 
 
-def _printed_losses(out):
-    return re.findall(r"^ls2 step \d+/3 \| loss (\d+\.\d{4})", out, re.M)
-
-
 def test_data_mesh_with_zero1_prints_the_same_losses(one_device_run):
     want, want_out = one_device_run
     got, out = _main(MESH_RUN + ["--mesh", "data=8", "--zero1"])
     assert "mesh data=8 (8 devices, 1 processes)" in out
     assert "jax_ls2.optim.adamw (state split over data=8 (ZeRO-1))" in out
-    assert len(_printed_losses(out)) == 3 and _printed_losses(out) == _printed_losses(want_out)
+    assert len(printed_losses(out, 3)) == 3 and printed_losses(out, 3) == printed_losses(want_out, 3)
     # batch split over 8 devices with dropout on: the same masks, the sums in another order
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
     _, opt = nnx.merge(got["graphdef"], got["state"])
@@ -370,7 +358,7 @@ def test_command_on_two_devices_prints_the_same_losses(one_device_run, tmp_path)
                            "--metrics", metrics_file], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh data=2 (2 devices, 1 processes)" in done.stdout
-    assert _printed_losses(done.stdout) == _printed_losses(want_out)
+    assert printed_losses(done.stdout, 3) == printed_losses(want_out, 3)
     got = [r["loss"] for r in metrics.read(metrics_file) if r["kind"] == "step"]
     np.testing.assert_allclose(got, want["losses"], rtol=1e-6)
 
@@ -382,7 +370,7 @@ def test_tensor_and_sequence_parallel_mesh_prints_the_same_losses(one_device_run
     want, want_out = one_device_run
     got, out = _main(MESH_RUN + ["--mesh", "data=4,tensor=2", "--sequence-parallel", "--zero1"])
     assert "state split over data=4 (ZeRO-1), tensor=2" in out
-    assert _printed_losses(out) == _printed_losses(want_out)
+    assert printed_losses(out, 3) == printed_losses(want_out, 3)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     model, _ = nnx.merge(got["graphdef"], got["state"])
     kernel = model.decoder.layers[0].attn.qkv.kernel.get_value()
