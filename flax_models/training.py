@@ -19,6 +19,7 @@ from jax_ls2 import parallel
 from jax_ls2.fp8 import FP8Meta
 from jax_ls2.optim import FusedGradientTransformation, shard_optimizer, update_nnx
 from jax_ls2.optim.sharded import state_layout
+from jax_ls2.parallel.mesh import fsdp_spec
 
 
 def lr_schedule(lr: float, steps: int, warmup: int):
@@ -50,7 +51,7 @@ def _adamw(factory, lr: float, steps: int, warmup: int, weight_decay: float):
 
 
 def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None, zero: bool = False,
-           microbatches: int = 1):
+           fsdp: bool = False, microbatches: int = 1):
     """(graphdef, state) of (model, optimizer). ``params_from``: a model whose params are
     copied in (so twins start from identical weights).
 
@@ -63,7 +64,14 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
     (so a run on any mesh starts where the one-device run does); build and step it
     under ``jax.set_mesh(mesh)``. A mesh whose pipe axis is above 1 runs the layer stack
     as GPipe stages with ``microbatches`` micro-batches (`flax_models.pipeline`; GPT and
-    BERT on jax_ls2 layers), its layer parameters stacked (L, ...) and split over pipe."""
+    BERT on jax_ls2 layers), its layer parameters stacked (L, ...) and split over pipe.
+
+    fsdp: every parameter is also split over the data axis (``parallel.mesh.fsdp_spec``:
+    its largest dim the tensor axis leaves whole and the data size divides; leaves with
+    none stay replicated over data), and the fused optimizer's state with it. Under jit
+    the partitioner gathers each parameter over data where the forward and backward use
+    it and reduce-scatters its gradient back to its shard; the optimizer updates the
+    shards where they lie. Needs the fused optimizer and a mesh without a pipe axis."""
     split = mesh is not None and cfg.tensor_axis is not None
     whole = cfg.replace(tensor_axis=None, sequence_parallel=False) if split else cfg
     model = fm.build(whole, impl=impl, dtype=dtype, seed=seed, train=True)
@@ -76,18 +84,32 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
         model = nnx.merge(graphdef, tensor_parallel_state(nnx.state(model), like))
     if mesh is not None and mesh.shape.get(parallel.PIPE, 1) > 1:
         model = pipeline_model(model, num_microbatches=microbatches)
+    if fsdp and zero:
+        raise ValueError("create: fsdp splits the optimizer state with the params over data; drop zero (ZeRO-1)")
+    if fsdp and not isinstance(tx, FusedGradientTransformation):
+        raise ValueError("create: fsdp needs the fused optimizer (jax_ls2.optim), not "
+                         f"{type(tx).__name__}")
     if mesh is None:
-        if zero:
-            raise ValueError("create: zero (ZeRO-1) needs a mesh")
+        if zero or fsdp:
+            raise ValueError(f"create: {'fsdp' if fsdp else 'zero (ZeRO-1)'} needs a mesh")
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
         graphdef, state = nnx.split((model, opt))
         # committed to the device, as a restored checkpoint's arrays are, so a fresh and a
         # resumed run call the compiled step with the same input signature
         return graphdef, jax.device_put(state, jax.devices()[0])
+    if fsdp and mesh.shape.get(parallel.PIPE, 1) > 1:
+        raise ValueError("create: fsdp is not supported with a pipe axis above 1; split the params over tensor "
+                         "or the optimizer state with zero (ZeRO-1)")
     model_state = nnx.state(model)
-    nnx.update(model, place_on_mesh(model_state, mesh, nnx.get_partition_spec(model_state)))
+    specs = nnx.get_partition_spec(model_state)
+    if fsdp:
+        specs = jax.tree.map(lambda x, s: s.replace(fsdp_spec(x.shape, s.get_value(), mesh))
+                             if isinstance(x, nnx.Param) else s, model_state, specs,
+                             is_leaf=lambda v: isinstance(v, nnx.Variable))
+    nnx.update(model, place_on_mesh(model_state, mesh, specs))
     if isinstance(tx, FusedGradientTransformation):
-        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        # the specs the params were placed with (the fsdp ones, not their annotations)
+        specs = jax.tree.map(lambda x: x.sharding.spec, nnx.state(model, nnx.Param))
         tx = shard_optimizer(tx, mesh, specs, zero_axis=parallel.DATA if zero else None)
     elif zero:
         raise ValueError("create: zero (ZeRO-1) needs the fused optimizer (jax_ls2.optim), not "
@@ -161,15 +183,45 @@ def make_step(graphdef):
 def make_mesh_step(graphdef, state):
     """`make_step` for a `state` placed on a mesh: the new state comes out with the
     shardings it went in with (else the partitioner lays some of it out its own way and
-    the next step compiles again), loss and aux replicated. Not cached: one per run."""
+    the next step compiles again), loss and aux replicated. With params split over data
+    (``create(..., fsdp=True)``) the step gathers them first (`gather_params`). Not
+    cached: one per run."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, P())
-    return jax.jit(_step_fn(graphdef), donate_argnums=0, out_shardings=(shardings, replicated, replicated))
+    return jax.jit(_step_fn(graphdef, fsdp_gathered(graphdef, state)), donate_argnums=0,
+                   out_shardings=(shardings, replicated, replicated))
 
 
-def _step_fn(graphdef):
+def fsdp_gathered(graphdef, state):
+    """NamedShardings of the params of (model, optimizer) `state` as their partition
+    annotations say (split over tensor only), where some are placed otherwise (split
+    over data too, ``create(..., fsdp=True)``); None where all are placed so."""
+    model, _ = nnx.merge(graphdef, state)
+    params = nnx.state(model, nnx.Param)
+    placed = jax.tree.leaves(params)
+    if not placed:
+        return None
+    mesh = placed[0].sharding.mesh
+    gathered = jax.tree.map(lambda s: NamedSharding(mesh, P() if s is None else s), nnx.get_partition_spec(params))
+    same = all(x.sharding.is_equivalent_to(g, x.ndim) for x, g in zip(placed, jax.tree.leaves(gathered)))
+    return None if same else gathered
+
+
+def gather_params(model, gathered) -> None:
+    """Puts `model`'s params (split over data, FSDP) under jit as `gathered`
+    (`fsdp_gathered`) says, in place: one all-gather per param, before the forward
+    pass uses it. Without this the partitioner may keep a weight split and gather the
+    activations it produces instead (the whole logits, for the tied embedding split
+    over the vocabulary). The gradients, taken with respect to the gathered params,
+    are reduced onto the param shards by the optimizer's sharded step."""
+    if gathered is not None:
+        nnx.update(model, jax.tree.map(jax.lax.with_sharding_constraint, nnx.state(model, nnx.Param), gathered))
+
+
+def _step_fn(graphdef, gathered=None):
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
+        gather_params(model, gathered)
         recipe = model.cfg.fp8
         if recipe is None:
             (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True)(model)

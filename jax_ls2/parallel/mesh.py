@@ -178,3 +178,25 @@ def shard_module(module, mesh: Mesh):
     specs = nnx.get_partition_spec(state)
     nnx.update(module, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
     return module
+
+
+def fsdp_spec(shape, spec, mesh: Mesh, axis: str = DATA):
+    """``spec`` (a leaf's ``PartitionSpec``) with ``axis`` added, FSDP-style: on the
+    largest dim of ``shape`` that no axis splits yet and that ``axis``'s size divides
+    (the first of equal ones). The spec comes back as it is, replicated over ``axis``,
+    where the axis has size 1 or already splits the leaf, or no free dim is divisible
+    (scalars, small or odd-sized leaves such as a (3, hidden) QKV bias whose hidden
+    dim the tensor axis splits)."""
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    size = dict(mesh.shape).get(axis, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    named = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if size == 1 or axis in named:
+        return spec
+    free = [d for d, (n, e) in enumerate(zip(shape, entries)) if e is None and n % size == 0]
+    if not free:
+        return spec
+    dim = max(free, key=lambda d: (shape[d], -d))
+    entries[dim] = axis
+    return P(*entries)
