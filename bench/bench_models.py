@@ -113,34 +113,28 @@ def check_fp8(names, impls):
     return None
 
 
-def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
+def model_config(name, smoke):
+    """The flax_models config of a MODELS entry: its preset (tiny under `smoke`) with the
+    entry's dropout rates and overrides (and SIZES' fields, not under `smoke`)."""
     import flax_models as fm
-    from flax_models import data, training
     family, preset, _, _, dropout, *extra = MODELS[name]
     overrides = extra[0] if extra else {}
-    batch, seq = batch_shape(name, quick, smoke, batch)
     if smoke:
         preset = "tiny"
     else:
         overrides = {**SIZES.get(name, {}), **overrides}
-    cfg = fm.get_config(family, preset, **{
+    return fm.get_config(family, preset, **{
         "hidden_dropout": dropout, "attn_dropout": dropout,
         "activation_dropout": 0.0 if family in ("bert", "gpt", "vit") else dropout, **overrides})
-    seq = seq or cfg.max_len
-    if impl == "ls2-fp8":
-        from jax_ls2.fp8 import DelayedScaling
-        cfg = cfg.replace(fp8=DelayedScaling())
-    tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl != "plain")
-    graphdef, state = training.create(cfg, impl="plain" if impl == "plain" else "ls2", dtype=jnp.bfloat16, seed=0,
-                                      tx=tx)
-    step = training.make_step(graphdef)
-    batches = [jax.device_put(data.make_batch(cfg, 0, i, batch, seq)) for i in range(4)]
+
+
+def time_steps(step, state, batches, steps, warmup, group=GROUP):
+    """(state, loss, times, host_ms) of `step` run over `batches` in turn: `warmup`
+    steps, then groups of `group` for `steps` steps; `times`: seconds per step, one per
+    group."""
+    import jax
     for i in range(warmup):
-        state, loss, _ = step(state, batches[i % 4])
+        state, loss, _ = step(state, batches[i % len(batches)])
     jax.block_until_ready(loss)
     # Steps are enqueued in groups of `group` and waited for at the group's end, as a
     # training loop runs them (the host prepares step i+1 while the device runs step i);
@@ -153,11 +147,33 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
         t0 = time.perf_counter()
         for i in range(group):
             t1 = time.perf_counter()
-            state, loss, _ = step(state, batches[(g * group + i) % 4])
+            state, loss, _ = step(state, batches[(g * group + i) % len(batches)])
             host += time.perf_counter() - t1
         jax.block_until_ready((state, loss))
         times.append((time.perf_counter() - t0) / group)
-    host_ms = 1e3 * host / (len(times) * group)
+    return state, loss, times, 1e3 * host / (len(times) * group)
+
+
+def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flax_models import data, training
+    family, _, _, _, dropout, *extra = MODELS[name]
+    overrides = {**({} if smoke else SIZES.get(name, {})), **(extra[0] if extra else {})}
+    batch, seq = batch_shape(name, quick, smoke, batch)
+    cfg = model_config(name, smoke)
+    seq = seq or cfg.max_len
+    if impl == "ls2-fp8":
+        from jax_ls2.fp8 import DelayedScaling
+        cfg = cfg.replace(fp8=DelayedScaling())
+    tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl != "plain")
+    graphdef, state = training.create(cfg, impl="plain" if impl == "plain" else "ls2", dtype=jnp.bfloat16, seed=0,
+                                      tx=tx)
+    step = training.make_step(graphdef)
+    batches = [jax.device_put(data.make_batch(cfg, 0, i, batch, seq)) for i in range(4)]
+    state, loss, times, host_ms = time_steps(step, state, batches, steps, warmup, group)
     if os.environ.get("JAX_LS2_PROFILE_TOP"):
         print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
     if os.environ.get("JAX_LS2_PROFILE_HLO"):

@@ -39,9 +39,9 @@ LONG_FIELDS = ["run", "bench", "op", "shape", "dtype", "pass", "impl", "backend"
                "gpu", "jax_version", "commit", "date"]
 # Columns of a run's CSV that identify a row rather than measure it, with the long name
 # they take (bench_models writes `model` and `git_commit`; bench_sr_convergence's curves
-# `mode` and `step`).
+# `mode` and `step`; bench_scaling `mesh`, the mesh spec or "none").
 ID_COLUMNS = {"op": "op", "model": "op", "shape": "shape", "dtype": "dtype", "pass": "pass", "impl": "impl",
-              "mode": "impl", "step": "pass", "backend": "backend", "gpu": "gpu", "jax_version": "jax_version",
+              "mode": "impl", "mesh": "impl", "step": "pass", "backend": "backend", "gpu": "gpu", "jax_version": "jax_version",
               "commit": "commit", "git_commit": "commit", "date": "date"}
 
 

@@ -3,10 +3,10 @@
 # logs and CSVs to $OUT (default a fresh bench/results/runs/<date>_<commit>, which git ignores),
 # prints a short table last. Its CSVs join the long history with
 #   python -m bench.report append $OUT --run <gpu>-<date>
-#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|ncu]...   (default: tests bench)
+#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|scaling|ncu]...   (default: tests bench)
 # Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
-# MODELS_ARGS (e.g. "--models llama-small llama-1b"), DECODE_ARGS (bench_decode, e.g. "--models llama-1b"), NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
-# limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode) in seconds. JAX_LS2_COMMIT labels the rows (default the tree's git HEAD; give it when the files are newer than that HEAD).
+# MODELS_ARGS (e.g. "--models llama-small llama-1b"), SCALING_ARGS (bench_scaling, e.g. "--models gpt2-small"), DECODE_ARGS (bench_decode, e.g. "--models llama-1b"), NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
+# limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode, SCALING_TIMEOUT for bench_scaling) in seconds. JAX_LS2_COMMIT labels the rows (default the tree's git HEAD; give it when the files are newer than that HEAD).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -85,7 +85,7 @@ for step in $STEPS; do
       ;;
     bench)
       for name in ${BENCHES:-$(cd bench && ls bench_*.py | sed 's/\.py$//')}; do
-        [ "$name" = bench_models ] && continue
+        [ "$name" = bench_models ] || [ "$name" = bench_scaling ] && continue
         case $name in
           bench_layer_norm|bench_dropout|bench_softmax|bench_cross_entropy|bench_llama_ops) args="--dtypes ${BENCH_DTYPES:-bfloat16}" ;;
           bench_optim) args="--parts ${OPTIM_PARTS:-update}" ;;
@@ -138,6 +138,12 @@ for step in $STEPS; do
       t0=$(date +%s)
       timeout ${MODELS_TIMEOUT:-540} $PY -m bench.bench_models --out "$OUT" ${MODELS_ARGS:-} >"$OUT/bench_models.log" 2>&1
       summary+=("bench_models: exit $? ($(( $(date +%s) - t0 )) s)")
+      pack
+      ;;
+    scaling)
+      t0=$(date +%s)
+      timeout ${SCALING_TIMEOUT:-540} $PY -m bench.bench_scaling --out "$OUT" ${SCALING_ARGS:-} >"$OUT/bench_scaling.log" 2>&1
+      summary+=("bench_scaling: exit $? ($(( $(date +%s) - t0 )) s)")
       pack
       ;;
   esac

@@ -4,6 +4,7 @@
     python -m bench.report runs                    # every run, oldest first; the last is the latest
     python -m bench.report models [--run RUN]      # the zoo against its plain-Flax twins (Markdown)
     python -m bench.report ops [--run RUN] [--default-only]  # the fused ops against XLA (Markdown)
+    python -m bench.report scaling [--run RUN]     # train steps on device meshes (Markdown)
 
 RUN is a run name as `runs` lists it, or a prefix of several (a folder of a run), or
 "latest" (the default): the last run in the file that has rows of the table's kind.
@@ -134,6 +135,26 @@ def models_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(rows: list) -> str:
+    """bench_scaling's rows: a model's step without a mesh and on each mesh (its spec in
+    the `impl` column); a skipped mesh with its reason."""
+    table = _pivot(rows, ("op", "impl", "shape", "backend"))
+    lines = [_source(rows), "",
+             "| model | mesh | batch | devices | step ms | tokens/s | tokens/s per device | efficiency | "
+             "x no mesh | peak GB per device |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (model, mesh, shape, backend), m in table.items():
+        if m.get("skipped"):
+            lines.append(f"| {model} | {mesh} | skipped: {m['skipped']} | | | | | | | |")
+            continue
+        name = f"{mesh} ({backend})" if backend else mesh
+        lines.append(f"| {model} | {name} | {shape} | {m.get('devices', '')} | {_num(m.get('ms_median'), '.2f')} | "
+                     f"{_num(m.get('tokens_per_s'), ',.0f')} | {_num(m.get('tokens_per_s_per_device'), ',.0f')} | "
+                     f"{_num(m.get('scaling_efficiency'), '.2f')} | {_num(m.get('ms_vs_no_mesh'), '.3f')} | "
+                     f"{_num(m.get('peak_mem_gb_per_device'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def ops_table(rows: list, default_only: bool = False) -> str:
     """jax_ls2's rows against XLA; `default_only`: without launch-option variants."""
     ours = [r for r in rows if r["impl"] == "jax_ls2" or (r["impl"].startswith("jax_ls2") and not default_only)]
@@ -153,8 +174,12 @@ def is_model_row(r: dict) -> bool:
     return r["bench"].startswith("models")
 
 
+def is_scaling_row(r: dict) -> bool:
+    return r["bench"].startswith("scaling")
+
+
 def is_op_row(r: dict) -> bool:
-    return r["bench"] != "models" and (r["impl"] == "xla" or r["impl"].startswith("jax_ls2"))
+    return r["bench"] != "models" and not is_scaling_row(r) and (r["impl"] == "xla" or r["impl"].startswith("jax_ls2"))
 
 
 def main(argv=None):
@@ -165,7 +190,7 @@ def main(argv=None):
     a.add_argument("folder", metavar="DIR")
     a.add_argument("--run", required=True, help="the run's name, e.g. h200-2026-12-03_abc1234")
     sub.add_parser("runs", help="list the runs, oldest first")
-    for name in ("models", "ops"):
+    for name in ("models", "ops", "scaling"):
         t = sub.add_parser(name, help=f"Markdown table of the {name} rows of one run")
         t.add_argument("--run", default="latest")
         if name == "ops":
@@ -185,6 +210,8 @@ def main(argv=None):
                   f"{','.join(sorted(s['benches']))}")
     elif args.cmd == "models":
         print(models_table(select(read(args.csv), args.run, is_model_row)))
+    elif args.cmd == "scaling":
+        print(scaling_table(select(read(args.csv), args.run, is_scaling_row)))
     else:
         print(ops_table(select(read(args.csv), args.run, is_op_row), args.default_only))
 

@@ -131,3 +131,55 @@ def test_bench_models_csv_has_speedup_and_peak_memory_over_the_twin(tmp_path):
     assert float(plain["speedup"]) == float(plain["peak_mem_vs_plain"]) == 1.0
     assert float(ls2["speedup"]) == pytest.approx(ms[0] / ms[1], rel=1e-12)
     assert float(ls2["peak_mem_vs_plain"]) == pytest.approx(peak[1] / peak[0], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_bench_scaling_smoke_runs_every_mesh_of_four_devices(tmp_path, capsys):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_scaling", "--smoke", "--steps", "2", "--warmup", "1",
+                           "--group", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [path] = [p for p in os.listdir(tmp_path) if p.endswith(".csv")]
+    assert path.startswith("scaling_") and path.endswith("_smoke.csv")
+    rows = _rows(tmp_path / path)
+    meshes = ["none", "data=1", "data=4", "tensor=4", "data=2,tensor=2", "pipe=2,data=2"]
+    assert [(r["model"], r["mesh"]) for r in rows] == (
+        [("gpt2-small", m) for m in meshes + ["seq=4"]] + [("bert-base-128", m) for m in meshes])
+    for r in rows:
+        assert not r["skipped"], r  # tiny presets (4 heads, 2 layers) take every mesh of 4 devices
+        devices = 1 if r["mesh"] in ("none", "data=1") else 4
+        assert int(r["devices"]) == devices
+        data = int(r["mesh"].split("data=")[1].split(",")[0]) if "data=" in r["mesh"] else 1
+        assert int(r["global_batch"]) == 4 * data and r["shape"] == f"{4 * data}x64"
+        for col in ("ms_median", "ms_p20", "ms_p80", "tokens_per_s", "tokens_per_s_per_device", "scaling_efficiency"):
+            assert float(r[col]) > 0, (r["mesh"], col)
+        assert float(r["ms_p20"]) <= float(r["ms_median"]) <= float(r["ms_p80"])
+        assert float(r["tokens_per_s_per_device"]) == pytest.approx(float(r["tokens_per_s"]) / devices, rel=1e-6)
+        assert r["gpu"] and r["jax_version"] and r["git_commit"] and r["date"] and r["backend"]
+        assert (r["ms_vs_no_mesh"] != "") == (r["mesh"] == "data=1")
+    for model in ("gpt2-small", "bert-base-128"):
+        base, one = [r for r in rows if r["model"] == model][:2]
+        assert float(one["ms_vs_no_mesh"]) == pytest.approx(float(one["ms_median"]) / float(base["ms_median"]),
+                                                            rel=1e-6)
+        assert float(base["scaling_efficiency"]) == pytest.approx(1.0)
+    from bench import report
+    history = str(tmp_path / "history" / "results.csv")
+    report.main(["--csv", history, "append", str(tmp_path), "--run", "smoke"])
+    capsys.readouterr()
+    report.main(["--csv", history, "scaling"])
+    table = capsys.readouterr().out
+    assert table.count("| gpt2-small |") == 7 and table.count("| bert-base-128 |") == 6
+    assert "| gpt2-small | seq=4 (reference) | 4x64 | 4 |" in table
+    with pytest.raises(SystemExit, match="no run"):  # scaling rows are no op rows
+        report.main(["--csv", history, "ops"])
+
+
+def test_bench_scaling_mesh_list_follows_the_device_count():
+    from bench.bench_scaling import mesh_specs
+    assert mesh_specs(1, "gpt") == [("data=1", None)]
+    assert [s for s, _ in mesh_specs(2, "gpt")] == ["data=1", "data=2", "tensor=2", "pipe=2,data=1", "seq=2"]
+    assert [s for s, _ in mesh_specs(8, "bert")] == ["data=1", "data=8", "tensor=8", "data=4,tensor=2",
+                                                     "pipe=2,data=4"]
+    odd = dict(mesh_specs(3, "gpt"))
+    assert odd["data=3/2,tensor=2"] and odd["pipe=2,data=3/2"] and odd["tensor=3"] is None
