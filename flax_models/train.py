@@ -24,7 +24,7 @@ draws loss and throughput from them.
 over the data axis, the sequence over the seq axis (GPT, BERT: attention through ring
 attention), the state placed by its partition specs, the fused optimizer
 updating the params where they lie (``--zero1`` also splits its state over the data
-axis). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+axis, ``--fsdp`` the params and the state). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``, or a Slurm / Open MPI job) ``jax.distributed`` is started first,
 with gloo collectives for CPU devices; every process runs the same command.
 """
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--zero1", action="store_true",
       help="with --mesh: split the fused optimizer's moments over the data axis (ZeRO-1) "
            "(default: off)")
+    a("--fsdp", action="store_true",
+      help="with --mesh: also split the params and the fused optimizer's state over the data "
+           "axis (FSDP-style; each param gathered where the step uses it) (default: off)")
     a("--ckpt-dir", help="directory for orbax checkpoints of the full training state "
                          "(default: none, nothing saved)")
     a("--save-every", type=int, default=0,
@@ -219,6 +222,12 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--zero1 needs --mesh (the data axis to split the optimizer state over)")
     if args.zero1 and (args.optimizer != "fused" or args.impl != "ls2" or args.compare):
         p.error("--zero1 needs the fused optimizer: --impl ls2 --optimizer fused, without --compare")
+    if args.fsdp and args.mesh is None:
+        p.error("--fsdp needs --mesh (the data axis to split the params over)")
+    if args.fsdp and (args.optimizer != "fused" or args.impl != "ls2" or args.compare or args.zero1):
+        p.error("--fsdp needs the fused optimizer: --impl ls2 --optimizer fused, without --compare or --zero1")
+    if args.fsdp and parallel.parse_mesh_spec(args.mesh)[parallel.PIPE] > 1:
+        p.error("--fsdp does not combine with --mesh pipe above 1; use --zero1 to split the optimizer state")
     if args.compare and not args.fp8 and args.attention_backend not in _plain_backends():
         p.error(f"--attention-backend {args.attention_backend} has no plain-Flax counterpart; "
                 f"--compare takes one of {', '.join(_plain_backends())}")
@@ -465,6 +474,7 @@ def _train(args, cfg, batch_size, seq, *, impl, params_from, label, metrics, mes
     graphdef, state = training.create(cfg, impl=impl, dtype=dtype, seed=args.seed, tx=tx,
                                       params_from=params_from, mesh=mesh,
                                       zero=bool(getattr(args, "zero1", False)),
+                                      fsdp=bool(getattr(args, "fsdp", False)),
                                       microbatches=microbatches(args))
     layout = training.optimizer_layout(graphdef, state)
     if layout:
@@ -586,7 +596,8 @@ def main(argv=None):
     # the plain-Flax baseline trains with optax.adamw (no jax_ls2 code at all)
     twin_opt = "optax" if twin == "plain" else args.optimizer
     twin_args = argparse.Namespace(**{**vars(args), "ckpt_dir": None, "save_every": 0,
-                                      "optimizer": twin_opt, "fp8": False, "zero1": False})
+                                      "optimizer": twin_opt, "fp8": False, "zero1": False,
+                                      "fsdp": False})
     second = train(twin_args, cfg.replace(fp8=None), batch_size, seq, impl=twin, params_from=ref_model,
                    label=twin, metrics=metrics_path(args, twin), mesh=mesh)
     print(summary(second), flush=True)

@@ -22,6 +22,7 @@ from jax_ls2 import parallel
 from jax_ls2.nn import tensor_parallel_state
 from jax_ls2.optim import adamw, update_nnx
 from jax_ls2.parallel.mesh import fsdp_spec
+from flax_models import train
 from tests.train_runs import printed_losses, run_main
 
 BATCH, LEN, STEPS = 8, 16, 3
@@ -226,3 +227,33 @@ def test_fsdp_bad_options():
         training.create(cfg, impl="ls2", dtype=None, seed=0, tx=optax.adamw(1e-3), mesh=_mesh("data=8"), fsdp=True)
     with pytest.raises(ValueError, match="drop zero"):
         training.create(cfg, impl="ls2", dtype=None, seed=0, tx=tx, mesh=_mesh("data=8"), fsdp=True, zero=True)
+
+
+# ------------------------------------------------------------------ the training command
+CLI_RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3",
+           "--dropout", "0.1", "--eval-every", "0", "--log-every", "1"]
+
+
+def test_train_command_with_fsdp_prints_the_same_losses():
+    want, want_out = run_main(CLI_RUN)
+    got, out = run_main(CLI_RUN + ["--mesh", "data=8", "--fsdp"])
+    assert "jax_ls2.optim.adamw (state split over data=8)" in out
+    assert len(printed_losses(out, 3)) == 3 and printed_losses(out, 3) == printed_losses(want_out, 3)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+    model, _ = nnx.merge(got["graphdef"], got["state"])
+    table = nnx.state(model, nnx.Param)["embed"]["tokens"]["embedding"].get_value()
+    assert table.sharding.spec == P("data", None)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--fsdp"], "--fsdp needs --mesh"),
+    (["--mesh", "data=8", "--fsdp", "--optimizer", "optax"], "--fsdp needs the fused optimizer"),
+    (["--mesh", "data=8", "--fsdp", "--zero1"], "--fsdp needs the fused optimizer"),
+    (["--mesh", "data=4,pipe=2", "--fsdp"], "--fsdp does not combine with --mesh pipe above 1"),
+])
+def test_train_command_fsdp_usage_errors(monkeypatch, capsys, extra, message):
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", "gpt"] + extra)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
