@@ -24,9 +24,10 @@ draws loss and throughput from them.
 over the data axis, the sequence over the seq axis (GPT, BERT: attention through ring
 attention), the state placed by its partition specs, the fused optimizer
 updating the params where they lie (``--zero1`` also splits its state over the data
-axis, ``--fsdp`` the params and the state). With several processes (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-``JAX_PROCESS_ID``, or a Slurm / Open MPI job) ``jax.distributed`` is started first,
-with gloo collectives for CPU devices; every process runs the same command.
+axis, ``--fsdp`` the params and the state). With several processes
+(``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``, or a Slurm /
+Open MPI job) ``jax.distributed`` is started first, with gloo collectives for CPU
+devices; every process runs the same command.
 """
 from __future__ import annotations
 
