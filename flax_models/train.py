@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
            "(default: off)")
     a("--fsdp", action="store_true",
       help="with --mesh: also split the params and the fused optimizer's state over the data "
-           "axis (FSDP-style; each param gathered where the step uses it) (default: off)")
+           "axis (FSDP-style; each param all-gathered for the step's passes) (default: off)")
     a("--ckpt-dir", help="directory for orbax checkpoints of the full training state "
                          "(default: none, nothing saved)")
     a("--save-every", type=int, default=0,

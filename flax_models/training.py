@@ -68,10 +68,11 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
 
     fsdp: every parameter is also split over the data axis (``parallel.mesh.fsdp_spec``:
     its largest dim the tensor axis leaves whole and the data size divides; leaves with
-    none stay replicated over data), and the fused optimizer's state with it. Under jit
-    the partitioner gathers each parameter over data where the forward and backward use
-    it and reduce-scatters its gradient back to its shard; the optimizer updates the
-    shards where they lie. Needs the fused optimizer and a mesh without a pipe axis."""
+    none stay replicated over data), and the fused optimizer's state with it.
+    `make_mesh_step` all-gathers each such param (`gather_params`) for the forward and
+    backward passes, the gradients are reduced over data onto the param shards, and the
+    optimizer updates the shards where they lie. Needs the fused optimizer and a mesh
+    without a pipe axis."""
     split = mesh is not None and cfg.tensor_axis is not None
     whole = cfg.replace(tensor_axis=None, sequence_parallel=False) if split else cfg
     model = fm.build(whole, impl=impl, dtype=dtype, seed=seed, train=True)

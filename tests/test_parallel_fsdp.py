@@ -257,3 +257,15 @@ def test_train_command_fsdp_usage_errors(monkeypatch, capsys, extra, message):
         train.main(["--model", "gpt"] + extra)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_command_with_fsdp_resumes_bit_for_bit(tmp_path):
+    """A checkpoint of the FSDP state (params and optimizer state split over data)
+    saved at step 2 resumes on the same mesh to the uninterrupted run's step 3."""
+    run = CLI_RUN + ["--mesh", "data=4,tensor=2", "--fsdp", "--ckpt-dir", str(tmp_path), "--save-every", "2"]
+    whole, out = run_main(run)
+    resumed, out_resumed = run_main(run + ["--resume"])
+    assert "resumed from step 2" in out_resumed
+    assert len(printed_losses(out_resumed, 3)) == 1
+    assert printed_losses(out_resumed, 3) == printed_losses(out, 3)[-1:]
+    assert resumed["losses"][-1] == whole["losses"][-1]
