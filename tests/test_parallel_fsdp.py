@@ -227,6 +227,8 @@ def test_fsdp_bad_options():
         training.create(cfg, impl="ls2", dtype=None, seed=0, tx=optax.adamw(1e-3), mesh=_mesh("data=8"), fsdp=True)
     with pytest.raises(ValueError, match="drop zero"):
         training.create(cfg, impl="ls2", dtype=None, seed=0, tx=tx, mesh=_mesh("data=8"), fsdp=True, zero=True)
+    with pytest.raises(ValueError, match="create: fsdp is not supported with a pipe axis above 1"):
+        training.create(cfg, impl="ls2", dtype=None, seed=0, tx=tx, mesh=_mesh("data=4,pipe=2"), fsdp=True)
 
 
 # ------------------------------------------------------------------ the training command
