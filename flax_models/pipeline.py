@@ -11,7 +11,10 @@ pipe stage ``s`` of ``S`` holds layers ``[s L / S, (s + 1) L / S)``. Everything 
 replicated over ``pipe``: every stage computes it, on the pipeline's output, which a
 ``psum`` over ``pipe`` gives to all of them. Tensor parallelism (and Megatron sequence
 parallelism) runs inside each stage as without the pipeline, the batch is split over
-``data``. Not supported: ``sequence_axis`` (ring attention), FP8 layers.
+``data``; with the stack's ``sequence_axis`` the sequence is split over that axis too
+and attention runs through the ring (a 4D mesh: pipe x data x seq x tensor). Not
+supported: FP8 layers; attention dropout with both ``sequence_axis`` and a tensor axis
+above 1 (the ring numbers its masks over the heads it is given).
 
 Dropout draws the one-device model's masks: each layer draws its key once per step
 from its own stream, as the unpipelined layer does, and a micro-batch's masks are
@@ -55,16 +58,17 @@ class PipelinedEncoder(nnx.Module):
     hidden) in x's dtype, the stack's result (its ``final_ln`` included). Call it under
     ``jax.set_mesh(mesh)`` (a mesh of `jax_ls2.parallel.make_mesh`), under ``jit``: it
     runs the layers in ``shard_map`` over all mesh axes, the batch split over
-    ``data_axis`` (and with the stack's ``sequence_parallel`` the sequence over its
-    tensor axis, as the result comes back) and each device's part cut into
-    ``num_microbatches`` micro-batches.
+    ``data_axis`` (and the sequence over the stack's ``sequence_axis``, or with its
+    ``sequence_parallel`` over its tensor axis, as the result comes back) and each
+    device's part cut into ``num_microbatches`` micro-batches.
 
     ``layers``: one `TransformerEncoderLayer` whose variables are the stack's layers'
     stacked, ``(num_layers, ...)``, partitioned ``P(pipe_axis, ...)``;
     ``final_ln``: the stack's (None for post-LN stacks).
 
     Raises (at the call) ValueError: num_layers not a multiple of the pipe axis size, a
-    local batch not a multiple of ``num_microbatches``, no mesh with ``pipe_axis``.
+    local batch not a multiple of ``num_microbatches``, a length not a multiple of the
+    sequence axis size (2x under zigzag balance), no mesh with ``pipe_axis``.
     """
 
     def __init__(self, stack: TransformerEncoder, *, num_microbatches: int, pipe_axis: str = PIPE,
@@ -74,15 +78,9 @@ class PipelinedEncoder(nnx.Module):
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"{_OWNER}: num_microbatches must be a positive int, got {num_microbatches!r}")
         c = stack.config
-        if c.sequence_axis is not None:
-            raise ValueError(f"{_OWNER}: sequence_axis is not supported with pipeline parallelism; leave it off "
-                             f"(Megatron sequence_parallel is)")
         if c.fp8 is not None:
             raise ValueError(f"{_OWNER}: fp8 layers are not supported with pipeline parallelism (their scaling "
                              f"state is per step, not per micro-batch)")
-        if c.attention_backend == "flash" and c.attn_dropout > 0:
-            raise ValueError(f"{_OWNER}: attention_backend='flash' with attention dropout numbers its masks over "
-                             f"the whole batch, not per micro-batch; use 'fused' or 'auto'")
         self.config = c
         self.num_layers = len(stack.layers)
         self.num_microbatches = num_microbatches
@@ -106,6 +104,37 @@ class PipelinedEncoder(nnx.Module):
                              f"layer count or the pipe size")
         return stages
 
+    def _sequence_split(self, x, causal: bool, deterministic: bool):
+        """The sequence axis the layers' inputs are split over (None: not split), checked
+        against x (batch, len, hidden)."""
+        c = self.config
+        size = tensor_axis_size(c.sequence_axis) if c.sequence_axis is not None else None
+        if size in (None, 1):
+            return None
+        parts = 2 * size if causal and c.sequence_balance == "zigzag" else size
+        if x.shape[1] % parts:
+            raise ValueError(f"{_OWNER}: the sequence length ({x.shape[1]}) must be a multiple of {parts} (the size "
+                             f"{size} of mesh axis {c.sequence_axis!r}{', twice: zigzag balance' if parts > size else ''}"
+                             f"); pad the sequence or change the mesh")
+        tensor = tensor_axis_size(c.tensor_axis) if c.tensor_axis is not None else None
+        if c.attn_dropout > 0 and not deterministic and (tensor or 1) > 1:
+            raise ValueError(f"{_OWNER}: attention dropout with sequence_axis and a tensor axis above 1 is not "
+                             f"supported in pipeline stages (the ring numbers its masks over the heads it is "
+                             f"given); set attn_dropout=0 or drop one of the axes")
+        return c.sequence_axis
+
+    def _check_flash_rows(self, x, seq, deterministic: bool):
+        """Flash attention numbers a micro-batch's dropout rows by a 32-bit count of the
+        query elements before it (`jax_ls2.ops.flash_attention`): that count must fit."""
+        c = self.config
+        if deterministic or c.attn_dropout == 0 or (seq is None and c.attention_backend != "flash"):
+            return
+        chunk = x.shape[1] // (tensor_axis_size(seq) if seq is not None else 1)
+        if x.shape[0] * chunk * x.shape[2] >= 2**32:
+            raise ValueError(f"{_OWNER}: with flash attention dropout, batch x sequence chunk x hidden must stay "
+                             f"below 2**32 (the masks' row count), got {x.shape[0]} x {chunk} x {x.shape[2]}; "
+                             f"use a smaller batch per step")
+
     def _layer_keys(self, deterministic: bool):
         """(L,) keys, one per layer: the key the unpipelined layer draws this call; None
         without dropout. Each layer's stream advances once, as the unpipelined one does."""
@@ -128,6 +157,8 @@ class PipelinedEncoder(nnx.Module):
             raise ValueError(f"{_OWNER}: x must be (batch, len, hidden) with the batch a multiple of the "
                              f"{self.data_axis!r} size ({data_size}) times num_microbatches ({count}), got shape "
                              f"{tuple(x.shape)}")
+        seq = self._sequence_split(x, causal, det)
+        self._check_flash_rows(x, seq, det)
         mask = jnp.ones(x.shape[:2], bool) if padding_mask is None else padding_mask.astype(bool)
         pipe, data, remat = self.pipe_axis, self.data_axis, self.remat
 
@@ -155,9 +186,10 @@ class PipelinedEncoder(nnx.Module):
 
         specs = nnx.get_partition_spec(state)
         key_spec = None if keys is None else P(pipe)
-        # Megatron sequence parallelism: the layers take and give sequence parts over the tensor axis
-        x_spec = P(data, self.config.tensor_axis) if self.config.sequence_parallel else P(data)
-        y = jax.shard_map(run_layers, in_specs=(specs, key_spec, x_spec, P(data)), out_specs=x_spec)(
+        # The layers take and give sequence parts over the sequence axis (ring attention) or,
+        # under Megatron sequence parallelism, over the tensor axis.
+        x_spec = P(data, seq or (self.config.tensor_axis if self.config.sequence_parallel else None))
+        y = jax.shard_map(run_layers, in_specs=(specs, key_spec, x_spec, P(data, seq)), out_specs=x_spec)(
             state, keys, x, mask)
         return y if self.final_ln is None else self.final_ln(y)
 

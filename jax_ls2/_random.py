@@ -273,6 +273,27 @@ def batch_rows_from(first_row):
         _BATCH_ROW_OFFSETS.pop()
 
 
+@contextlib.contextmanager
+def batch_rows_exactly(first_row):
+    """Within the block, the enclosing `batch_rows_from` blocks are replaced by one
+    starting at ``first_row`` (None: none), e.g. for a backward traced after the
+    forward's block has closed, with the forward's `batch_row_offset`."""
+    saved = list(_BATCH_ROW_OFFSETS)
+    _BATCH_ROW_OFFSETS[:] = [] if first_row is None else [jnp.asarray(first_row, jnp.uint32)]
+    try:
+        yield
+    finally:
+        _BATCH_ROW_OFFSETS[:] = saved
+
+
+def batch_row_offset():
+    """The first global batch row (a uint32 scalar, may be traced) of the enclosing
+    `batch_rows_from` blocks, summed; None outside any."""
+    if not _BATCH_ROW_OFFSETS:
+        return None
+    return sum(_BATCH_ROW_OFFSETS[1:], _BATCH_ROW_OFFSETS[0])
+
+
 def numbering(op: str, local_shape, shard_spec, threshold: int, order=None):
     """``(offsets, strides)`` numbering the mask of an array of ``local_shape`` by its
     global coordinates: inside ``shard_map`` with ``shard_spec``, those of this
@@ -282,9 +303,10 @@ def numbering(op: str, local_shape, shard_spec, threshold: int, order=None):
     offsets, global_shape = shard_box(op, local_shape, shard_spec)
     if not threshold:
         return jnp.zeros_like(offsets), ()
-    if _BATCH_ROW_OFFSETS and len(local_shape):
+    first_row = batch_row_offset()
+    if first_row is not None and len(local_shape):
         batch_dim = 0 if order is None else tuple(order)[0]
-        offsets = offsets.at[batch_dim].add(sum(_BATCH_ROW_OFFSETS[1:], _BATCH_ROW_OFFSETS[0]))
+        offsets = offsets.at[batch_dim].add(first_row)
     if int(np.prod(global_shape, dtype=object)) >= 2**63:
         raise ValueError(f"{op}: the whole array must have fewer than 2**63 elements to number its dropout mask, "
                          f"got shape {global_shape}")

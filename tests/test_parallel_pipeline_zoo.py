@@ -201,7 +201,5 @@ def test_sizes_that_do_not_fit():
         _loss_shape(model, batch)
     with pytest.raises(ValueError, match="pipeline_model: the model needs exactly one jax_ls2.nn.TransformerEncoder"):
         _pipelined_shapes(fm.get_config("transformer", "tiny"))
-    with pytest.raises(ValueError, match="PipelinedEncoder: sequence_axis is not supported"):
-        _pipelined_shapes(fm.get_config("gpt", "tiny", sequence_axis="seq", attention_backend="flash"))
     with pytest.raises(ValueError, match="PipelinedEncoder: num_microbatches must be a positive int"):
         _pipelined_shapes(fm.get_config("gpt", "tiny"), num_microbatches=0)

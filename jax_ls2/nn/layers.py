@@ -202,17 +202,20 @@ class _Block(nnx.Module):
                                          seq_first=seq_first, shard_spec=spec)
 
     def _shard_spec(self, ndim: int, dim: int | None):
-        """Inside ``shard_map`` over the tensor axis, the ``shard_spec`` of a (..., features)
-        activation split over it along ``dim`` (None: whole), so the fused ops draw this
-        device's block of the unsplit mask; None under ``jit`` (the ops see the sharding)
-        and without tensor parallelism. Only the tensor axis is known to the layer: a
-        batch split over other manual axes draws each part's mask as a whole array's."""
-        axis = self.config.tensor_axis
-        if axis is None or dim is None or bound_axis_size(axis) is None:
-            return None
+        """Inside ``shard_map``, the ``shard_spec`` of a (batch, len, ..., features)
+        activation: its sequence dim over the sequence axis when that axis is bound, and
+        ``dim`` (None: none) over the tensor axis when that one is, so the fused ops draw
+        this device's block of the unsplit mask; None when neither is (under ``jit`` the
+        ops see the sharding). A batch split over other manual axes draws each part's
+        mask as a whole array's, unless an enclosing `jax_ls2._random.batch_rows_from`
+        says where its rows lie (as the pipeline does)."""
+        c = self.config
         spec = [None] * ndim
-        spec[dim] = axis
-        return tuple(spec)
+        if c.sequence_axis is not None and bound_axis_size(c.sequence_axis) is not None:
+            spec[1] = c.sequence_axis
+        if c.tensor_axis is not None and dim is not None and bound_axis_size(c.tensor_axis) is not None:
+            spec[dim] = c.tensor_axis
+        return tuple(spec) if any(spec) else None
 
     def _check_copies(self, x, output_copies):
         """x, checked: an array, or (post-LN) the four copies a previous layer returned
@@ -291,7 +294,8 @@ class _Block(nnx.Module):
             return self._fp8_mlp(h)[:2]
         y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
         y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det, seq_first=seq_first)
+                                 key=key, deterministic=det, seq_first=seq_first,
+                                 shard_spec=self._shard_spec(y.ndim, None))
         return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
 
     def _tensor_parallel_ffn(self, h, det, key):

@@ -23,7 +23,10 @@ block ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)`` of a la
 ``q_total x kv_total`` attention draws that block of the larger attention's mask (ring
 attention's blocks). Under ``jit`` with the batch sharded, a shard's seed offset word
 counts the query elements before it (see `jax_ls2._dispatch`), from which the kernel and
-the reference derive the shard's first batch index, so shards draw the unsharded mask.
+the reference derive the shard's first batch index, so shards draw the unsharded mask;
+inside `jax_ls2._random.batch_rows_from` (a pipeline's micro-batches) the same word
+carries the block's first row. That count is 32-bit: the rows before a shard times
+``q_len * heads * head_dim`` must stay below 2**32.
 
 The CUDA kernels take float16 and bfloat16 with head_dim 64 or 128 (KERNEL_DTYPES,
 KERNEL_HEAD_DIMS); other dtypes and head dims run the reference, with a warning on a
@@ -447,6 +450,20 @@ def _check_total(op, name, value, length):
     return int(value)
 
 
+def _first_rows_word(op, q_shape):
+    """uint32[1]: the seed's shard offset word for q's rows inside `_random.batch_rows_from`
+    (a pipeline's micro-batch): the query elements before its first row; 0 outside."""
+    first_row = _random.batch_row_offset()
+    if first_row is None:
+        return jnp.zeros((1,), jnp.uint32)
+    b, lq, h, d = q_shape
+    per_row = lq * h * d
+    if per_row >= 2**32:
+        raise ValueError(f"{op}: inside batch_rows_from a batch row of q must have fewer than 2**32 elements "
+                         f"(q_len x heads x head_dim), got q of shape {tuple(q_shape)}")
+    return (jnp.asarray(first_row, jnp.uint32) * np.uint32(per_row))[None]
+
+
 def _prepare(op, q, k, v, *, bias, padding_mask, segment_ids, causal, scale, rate, key, deterministic, q_offset,
              kv_offset, q_total, kv_total):
     """Checks the arguments shared by the forward and the backward; returns
@@ -510,7 +527,7 @@ def _prepare(op, q, k, v, *, bias, padding_mask, segment_ids, causal, scale, rat
                          _check_offset(op, "kv_offset", kv_offset, lk, kv_total)])
     if threshold:
         # (k0, k1, shard offset, q_offset, kv_offset)
-        seed = jnp.concatenate([_random.seed_words(key), offsets])
+        seed = jnp.concatenate([_random.seed_words(key)[:2], _first_rows_word(op, q.shape), offsets])
         keep_scale = _random.keep_scale(rate)
     else:
         seed = jnp.zeros((5,), jnp.uint32)

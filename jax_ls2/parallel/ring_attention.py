@@ -304,8 +304,14 @@ def _when(live, fn, acc):
     return fn(acc) if live is None else jax.lax.cond(live, fn, lambda a: a, acc)
 
 
-def _flash_forward(cfg: _Cfg, q, k, v, mask, key):
-    """(out in q's dtype, lse (batch, heads, c) float32)."""
+def _flash_forward(cfg: _Cfg, q, k, v, mask, key, first_row):
+    """(out in q's dtype, lse (batch, heads, c) float32). ``first_row``: the batch row
+    offset of the masks (`jax_ls2._random.batch_row_offset` at the call), or None."""
+    with _random.batch_rows_exactly(first_row):
+        return _flash_forward_rows(cfg, q, k, v, mask, key)
+
+
+def _flash_forward_rows(cfg: _Cfg, q, k, v, mask, key):
     rank = jax.lax.axis_index(cfg.axis_name)
     ct = _compute_dtype(q.dtype)
     b, c, h, _ = q.shape
@@ -322,7 +328,12 @@ def _flash_forward(cfg: _Cfg, q, k, v, mask, key):
     return acc[0].astype(q.dtype), acc[1].astype(jnp.float32)
 
 
-def _flash_backward(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
+def _flash_backward(cfg: _Cfg, q, k, v, mask, key, first_row, out, lse, dout):
+    with _random.batch_rows_exactly(first_row):
+        return _flash_backward_rows(cfg, q, k, v, mask, key, out, lse, dout)
+
+
+def _flash_backward_rows(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
     rank = jax.lax.axis_index(cfg.axis_name)
     ct = _compute_dtype(q.dtype)
     grads = (jnp.zeros_like(q, ct), jnp.zeros_like(k, ct), jnp.zeros_like(v, ct))
@@ -345,13 +356,13 @@ def _flash_backward(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_ring(cfg, q, k, v, mask, key):
-    return _flash_forward(cfg, q, k, v, mask, key)[0]
+def _flash_ring(cfg, q, k, v, mask, key, first_row):
+    return _flash_forward(cfg, q, k, v, mask, key, first_row)[0]
 
 
-def _flash_ring_fwd(cfg, q, k, v, mask, key):
-    out, lse = _flash_forward(cfg, q, k, v, mask, key)
-    return out, (q, k, v, mask, key, out, lse)
+def _flash_ring_fwd(cfg, q, k, v, mask, key, first_row):
+    out, lse = _flash_forward(cfg, q, k, v, mask, key, first_row)
+    return out, (q, k, v, mask, key, first_row, out, lse)
 
 
 def _fresh(tree):
@@ -362,7 +373,7 @@ def _fresh(tree):
 
 
 def _flash_ring_bwd(cfg, res, dout):
-    return (*_flash_backward(cfg, *_fresh(res), dout), None, None)
+    return (*_flash_backward(cfg, *_fresh(res), dout), None, None, None)
 
 
 _flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd, optimize_remat=True)
@@ -571,7 +582,11 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
                _random.keep_scale(rate) if threshold else 1.0, padding_mask is not None,
                float(rate) if threshold else 0.0)
     q, k, v = match_varying(q, k, v)
+    first_row = _random.batch_row_offset() if threshold else None
     if impl == "flash":
-        return _flash_ring(cfg, q, k, v, padding_mask, key if threshold else None)
+        return _flash_ring(cfg, q, k, v, padding_mask, key if threshold else None, first_row)
+    if first_row is not None:
+        raise ValueError(f"{op}: impl='rsa' with dropout cannot number its masks inside batch_rows_from (a "
+                         f"pipeline's micro-batches); use impl='flash'")
     seed = _random.seed_words(key) if threshold else jnp.zeros((3,), jnp.uint32)
     return _rsa_ring(cfg, q, k, v, padding_mask, seed)
