@@ -326,10 +326,13 @@ def check_pipeline_split(p: argparse.ArgumentParser, args, cfg, sizes, batch_siz
     if cfg.family not in PIPE_FAMILIES:
         p.error(f"--mesh: pipe={pipe}: {cfg.family} cannot run as pipeline stages; it can for "
                 f"{', '.join(PIPE_FAMILIES)} (or use a mesh without pipe)")
-    for flag, given in (("--compare", args.compare), ("--fp8", cfg.fp8 is not None),
-                        ("--mesh seq", sizes[parallel.SEQ] > 1)):
+    for flag, given in (("--compare", args.compare), ("--fp8", cfg.fp8 is not None)):
         if given:
             p.error(f"--mesh: pipe={pipe} cannot be combined with {flag}")
+    if sizes[parallel.SEQ] > 1 and sizes[parallel.TENSOR] > 1 and cfg.attn_dropout > 0:
+        p.error(f"--mesh: pipe={pipe} with seq={sizes[parallel.SEQ]} and tensor={sizes[parallel.TENSOR]} cannot "
+                f"drop attention probabilities (attention dropout {cfg.attn_dropout}: the ring numbers its masks "
+                f"over the heads it is given); give --dropout 0 or leave out one of the axes")
     per_data = batch_size // sizes[parallel.DATA]
     if per_data % microbatches(args):
         p.error(f"--mesh: the batch's data part ({per_data} sequences) is not a multiple of the "
