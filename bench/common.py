@@ -39,10 +39,11 @@ LONG_FIELDS = ["run", "bench", "op", "shape", "dtype", "pass", "impl", "backend"
                "gpu", "jax_version", "commit", "date"]
 # Columns of a run's CSV that identify a row rather than measure it, with the long name
 # they take (bench_models writes `model` and `git_commit`; bench_sr_convergence's curves
-# `mode` and `step`; bench_scaling `mesh`, the mesh spec or "none").
+# `mode` and `step`; bench_scaling `mesh`, the mesh spec or "none"; bench_sequence_memory
+# `search`, what a probe searched or "max <it>" for a search's maximum).
 ID_COLUMNS = {"op": "op", "model": "op", "shape": "shape", "dtype": "dtype", "pass": "pass", "impl": "impl",
-              "mode": "impl", "mesh": "impl", "step": "pass", "backend": "backend", "gpu": "gpu", "jax_version": "jax_version",
-              "commit": "commit", "git_commit": "commit", "date": "date"}
+              "mode": "impl", "mesh": "impl", "step": "pass", "search": "pass", "backend": "backend", "gpu": "gpu",
+              "jax_version": "jax_version", "commit": "commit", "git_commit": "commit", "date": "date"}
 
 
 def git_commit() -> str:

@@ -5,6 +5,7 @@
     python -m bench.report models [--run RUN]      # the zoo against its plain-Flax twins (Markdown)
     python -m bench.report ops [--run RUN] [--default-only]  # the fused ops against XLA (Markdown)
     python -m bench.report scaling [--run RUN]     # train steps on device meshes (Markdown)
+    python -m bench.report sequence-memory [--run RUN]  # seq against tensor meshes' limits (Markdown)
 
 RUN is a run name as `runs` lists it, or a prefix of several (a folder of a run), or
 "latest" (the default): the last run in the file that has rows of the table's kind.
@@ -155,6 +156,24 @@ def scaling_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def sequence_memory_table(rows: list) -> str:
+    """bench_sequence_memory's maxima: per mesh and search, the largest size that fits the
+    capacity, the smallest probed that does not, and the seq mesh's ratio to tensor's."""
+    table = _pivot([r for r in rows if r["pass"].startswith("max ")], ("op", "impl", "pass", "backend", "dtype"))
+    lines = [_source(rows), "",
+             "| model | mesh | search | max | first failing | probes | GB per device at max | seq / tensor | "
+             "capacity GB |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (model, mesh, search, backend, dtype), m in table.items():
+        if m.get("skipped"):
+            lines.append(f"| {model} | {mesh} | {search} | skipped: {m['skipped']} | | | | | |")
+            continue
+        lines.append(f"| {model} | {mesh} ({backend}, {dtype}) | {search[len('max '):]} | {m.get('max_fitting', '')} "
+                     f"| {m.get('min_failing', '')} | {m.get('probes', '')} | {_num(m.get('per_device_gb'), '.2f')} | "
+                     f"{_num(m.get('ratio_seq_over_tensor'), '.2f')} | {_num(m.get('capacity_gb'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def ops_table(rows: list, default_only: bool = False) -> str:
     """jax_ls2's rows against XLA; `default_only`: without launch-option variants."""
     ours = [r for r in rows if r["impl"] == "jax_ls2" or (r["impl"].startswith("jax_ls2") and not default_only)]
@@ -178,6 +197,10 @@ def is_scaling_row(r: dict) -> bool:
     return r["bench"].startswith("scaling")
 
 
+def is_sequence_memory_row(r: dict) -> bool:
+    return r["bench"].startswith("sequence_memory")
+
+
 def is_op_row(r: dict) -> bool:
     return r["bench"] != "models" and not is_scaling_row(r) and (r["impl"] == "xla" or r["impl"].startswith("jax_ls2"))
 
@@ -190,7 +213,7 @@ def main(argv=None):
     a.add_argument("folder", metavar="DIR")
     a.add_argument("--run", required=True, help="the run's name, e.g. h200-2026-12-03_abc1234")
     sub.add_parser("runs", help="list the runs, oldest first")
-    for name in ("models", "ops", "scaling"):
+    for name in ("models", "ops", "scaling", "sequence-memory"):
         t = sub.add_parser(name, help=f"Markdown table of the {name} rows of one run")
         t.add_argument("--run", default="latest")
         if name == "ops":
@@ -212,6 +235,8 @@ def main(argv=None):
         print(models_table(select(read(args.csv), args.run, is_model_row)))
     elif args.cmd == "scaling":
         print(scaling_table(select(read(args.csv), args.run, is_scaling_row)))
+    elif args.cmd == "sequence-memory":
+        print(sequence_memory_table(select(read(args.csv), args.run, is_sequence_memory_row)))
     else:
         print(ops_table(select(read(args.csv), args.run, is_op_row), args.default_only))
 

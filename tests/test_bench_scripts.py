@@ -183,3 +183,91 @@ def test_bench_scaling_mesh_list_follows_the_device_count():
                                                      "pipe=2,data=4"]
     odd = dict(mesh_specs(3, "gpt"))
     assert odd["data=3/2,tensor=2"] and odd["pipe=2,data=3/2"] and odd["tensor=3"] is None
+
+
+def test_bench_sequence_memory_smoke_brackets_each_search(tmp_path, capsys):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_sequence_memory", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [path] = [p for p in os.listdir(tmp_path) if p.endswith(".csv")]
+    assert path.startswith("sequence_memory_") and path.endswith("_smoke.csv")
+    rows = _rows(tmp_path / path)
+    from bench.bench_sequence_memory import FIELDS
+    assert list(rows[0]) == FIELDS + ["skipped"]
+    for r in rows:
+        assert r["model"] == "bert-tiny" and r["devices"] == "4" and r["backend"] == "cpu" and r["dtype"] == "fp32"
+        assert float(r["capacity_gb"]) == 0.03 and r["capacity_source"] == "--capacity-gb" and not r["skipped"]
+    summaries = [r for r in rows if r["search"].startswith("max ")]
+    assert [(r["mesh"], r["search"]) for r in summaries] == [
+        ("seq=4", "max seq_len"), ("tensor=4", "max seq_len"), ("seq=4", "max batch"), ("tensor=4", "max batch")]
+    for s in summaries:
+        what = s["search"][len("max "):]
+        probes = [r for r in rows if r["mesh"] == s["mesh"] and r["search"] == what]
+        assert [int(r["probe"]) for r in probes] == list(range(1, int(s["probes"]) + 1))
+        for r in probes:
+            got = int(r["argument_bytes"]) + int(r["output_bytes"]) + int(r["temp_bytes"]) - int(r["alias_bytes"])
+            assert int(r["per_device_bytes"]) == got > 0
+            assert r["fits"] == str(int(got <= 0.03e9))
+            assert r["shape"] == f"{r['batch']}x{r['seq_len']}"
+            assert int(r["batch"] if what == "seq_len" else r["seq_len"]) == (8 if what == "seq_len" else 64)
+        by_size = {int(r[what]): r for r in probes}
+        best, fail = int(s["max_fitting"]), int(s["min_failing"])
+        assert by_size[best]["fits"] == "1" and by_size[fail]["fits"] == "0" and best < fail, s
+        assert all(r["fits"] == "1" for n, r in by_size.items() if n <= best)
+        assert all(r["fits"] == "0" for n, r in by_size.items() if n >= fail)
+        if what == "seq_len":
+            assert all(n % 64 == 0 and n % 8 == 0 for n in by_size)
+        ordered = [int(by_size[n]["per_device_bytes"]) for n in sorted(by_size)]
+        assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered), (s["mesh"], what, ordered)
+    for what in ("seq_len", "batch"):
+        seq, tensor = [s for s in summaries if s["search"] == f"max {what}"]
+        assert float(seq["ratio_seq_over_tensor"]) == pytest.approx(
+            int(seq["max_fitting"]) / int(tensor["max_fitting"]), abs=1e-3)
+        assert tensor["ratio_seq_over_tensor"] == ""
+    assert "max seq_len" in proc.stdout and "seq/tensor" in proc.stdout
+    from bench import report
+    history = str(tmp_path / "history" / "results.csv")
+    report.main(["--csv", history, "append", str(tmp_path), "--run", "smoke"])
+    capsys.readouterr()
+    report.main(["--csv", history, "sequence-memory"])
+    table = capsys.readouterr().out
+    assert table.count("| bert-tiny |") == 4 and "| bert-tiny | seq=4 (cpu, fp32) | seq_len |" in table
+
+
+def test_bench_sequence_memory_abstract_state_is_the_state_create_places():
+    import jax
+
+    import flax_models as fm
+    from bench.bench_sequence_memory import abstract_state, mesh_config
+    from flax_models import training
+    tx, _ = training.make_optimizer(1e-4, 1000, 10, fused=True)
+    for kind in ("seq", "tensor"):
+        mesh, cfg = mesh_config(kind, 4, fm.get_config("bert", "tiny"), "tiny", 8, 64)
+        with jax.set_mesh(mesh):
+            _, real = training.create(cfg, impl="ls2", dtype=None, seed=0, tx=tx, mesh=mesh)
+            _, abstract = abstract_state(cfg, mesh, dtype=None, tx=tx)
+        real = jax.tree_util.tree_flatten_with_path(real)[0]
+        abstract = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        assert [p for p, _ in real] == [p for p, _ in abstract]
+        for (path, x), (_, y) in zip(real, abstract):
+            assert isinstance(y, jax.ShapeDtypeStruct), path
+            assert (x.shape, x.dtype) == (y.shape, y.dtype), path
+            assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (kind, path, x.sharding, y.sharding)
+        split = [p for p, x in real if not x.sharding.is_fully_replicated]
+        assert bool(split) == (kind == "tensor")  # the seq mesh replicates the whole state
+
+
+def test_bench_sequence_memory_search_brackets_the_limit():
+    from bench.bench_sequence_memory import default_devices, search
+    import flax_models as fm
+    convex = lambda n: 5e9 + 2e6 * n + 2e3 * n * n  # noqa: E731
+    best, fail, probes = search(convex, 1152, 192, 30, 141e9)
+    assert best % 192 == 0 and fail == best + 192 and convex(best) <= 141e9 < convex(fail)
+    assert len(probes) == len({n for n, _ in probes}) and len(probes) < 12
+    assert search(lambda n: n, 8, 1, 30, 300.5)[:2] == (300, 301)
+    assert search(lambda n: n, 8, 1, 3, 300.5) == (32, None, [(8, 8), (16, 16), (32, 32)])
+    assert search(lambda n: n, 512, 64, 30, 10) == (None, 64, [(512, 512), (256, 256), (128, 128), (64, 64)])
+    assert search(lambda n: n, 512, 64, 30, 300)[:2] == (256, 320)
+    assert default_devices(fm.get_config("bert", "base"), 8) == 6  # 30522 = 2 x 3 x 5087 words
+    assert default_devices(fm.get_config("bert", "tiny"), 8) == 4
