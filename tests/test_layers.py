@@ -519,3 +519,31 @@ def test_batch_sharded_stack_keeps_its_shards(layout):
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     assert "all-gather" not in fn.lower(state, xs).compile().as_text()
     _close(fn(state, xs), want)
+
+
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_remat_stack_draws_new_masks_each_call_as_without_remat(stack):
+    """A rematerialised stack advances its layers' dropout streams as the plain one does:
+    consecutive calls draw new masks, the same as the stack without remat."""
+    kw = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
+    cls = nn.TransformerEncoder if stack == "encoder" else nn.TransformerDecoder
+    plain_stack, remat_stack = (cls(2, 32, 64, 4, remat=r, rngs=nnx.Rngs(params=0, dropout=1), **kw)
+                                for r in (False, True))
+    x = jax.random.normal(jax.random.key(2), (2, 8, 32))
+    args = (x,) if stack == "encoder" else (x, x)
+    outs = {}
+    for name, s in (("plain", plain_stack), ("remat", remat_stack)):
+        s.train()
+        graphdef, state = nnx.split(s)
+
+        @jax.jit
+        def call(state):
+            m = nnx.merge(graphdef, state)
+            y = m(*args)
+            return y, nnx.state(m)
+        first, state = call(state)
+        second, _ = call(state)
+        outs[name] = (first, second)
+    assert not np.allclose(outs["plain"][0], outs["plain"][1])
+    for got, want in zip(outs["remat"], outs["plain"]):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
