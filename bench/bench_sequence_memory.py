@@ -62,7 +62,8 @@ CPU and bf16 on a GPU, which also changes the activation bytes.
 
 Output: ``sequence_memory_<date>[_smoke].csv`` in --out, one row per probe (search
 "seq_len" or "batch") and one per (mesh, search) with its maximum (search "max seq_len"
-or "max batch"; on the seq mesh's also ``ratio_seq_over_tensor``), and a table printed.
+or "max batch"; on the seq mesh's also ``ratio_seq_over_tensor`` and the range
+[``ratio_low``, ``ratio_high``] the brackets leave for it), and a table printed.
 
 BERT-base has 12 heads, FFN width 3072 and a 30522-token vocabulary (2 x 3 x 5087), so
 ``python -m flax_models.train --mesh tensor=P`` takes P in {1, 2, 3, 6} only (not 4 or
@@ -95,8 +96,9 @@ MESHES = ("seq", "tensor")
 LENGTH_ALIGN = 64
 FIELDS = ["model", "mesh", "devices", "search", "probe", "shape", "batch", "seq_len", "dtype", "attention",
           "per_device_bytes", "per_device_gb", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
-          "capacity_gb", "capacity_source", "fits", "max_fitting", "min_failing", "probes",
-          "ratio_seq_over_tensor", "compile_s", "backend", "gpu", "jax_version", "git_commit", "date"]
+          "capacity_gb", "capacity_source", "fits", "max_fitting", "min_failing", "granularity", "probes",
+          "ratio_seq_over_tensor", "ratio_low", "ratio_high", "compile_s", "backend", "gpu", "jax_version",
+          "git_commit", "date"]
 
 
 class Refused(Exception):
@@ -294,7 +296,7 @@ def run_search(kind: str, what: str, cfg, preset: str, size: int, args, cap_byte
         return [dict(meta, mesh=name, search=f"max {what}", probes=0, skipped=" ".join(str(e).split()))]
     top = next((r for r in rows if r[what] == best), None)
     summary = dict(meta, mesh=name, search=f"max {what}", max_fitting=best if best is not None else "",
-                   min_failing=fail if fail is not None else "", probes=len(probes))
+                   min_failing=fail if fail is not None else "", granularity=granularity, probes=len(probes))
     if top is not None:
         summary.update({k: top[k] for k in ("shape", "batch", "seq_len", "attention", "per_device_bytes",
                                             "per_device_gb", "fits")})
@@ -302,28 +304,35 @@ def run_search(kind: str, what: str, cfg, preset: str, size: int, args, cap_byte
 
 
 def add_ratios(rows) -> None:
-    """ratio_seq_over_tensor on the seq mesh's summary rows: its maximum over the tensor
-    mesh's, where both searches found a probe that does not fit (else a maximum is only
-    the largest size probed)."""
-    maxima = {(r["mesh"].split("=")[0], r["search"]): r.get("max_fitting") for r in rows
-              if r["search"].startswith("max ") and r.get("min_failing") not in (None, "")}
-    for r in rows:
-        if r["search"].startswith("max ") and r["mesh"].startswith("seq="):
-            s, t = maxima.get(("seq", r["search"])), maxima.get(("tensor", r["search"]))
-            if s not in (None, "") and t not in (None, ""):
-                r["ratio_seq_over_tensor"] = round(s / t, 3)
+    """On the seq mesh's summary rows, where both searches found a probe that does not fit
+    (else a maximum is only the largest size probed): ratio_seq_over_tensor, its maximum
+    over the tensor mesh's, and the range the true ratio lies in given the brackets
+    (ratio_low: seq's maximum over the largest size below tensor's first failure;
+    ratio_high: the largest size below seq's first failure over tensor's maximum)."""
+    summaries = {(r["mesh"].split("=")[0], r["search"]): r for r in rows
+                 if r["search"].startswith("max ") and r.get("min_failing") not in (None, "")}
+    for (kind, what), s in summaries.items():
+        t = summaries.get(("tensor", what))
+        if kind != "seq" or t is None:
+            continue
+        s["ratio_seq_over_tensor"] = round(s["max_fitting"] / t["max_fitting"], 3)
+        s["ratio_low"] = round(s["max_fitting"] / (t["min_failing"] - t["granularity"]), 3)
+        s["ratio_high"] = round((s["min_failing"] - s["granularity"]) / t["max_fitting"], 3)
 
 
 def print_table(rows, cap_gb: float, source: str) -> None:
     print(f"\ncapacity {cap_gb:.3f} GB per device ({source}); backend {rows[0]['backend']}, {rows[0]['dtype']}")
-    print(f"{'mesh':<11}{'search':<14}{'max':>9}{'first failing':>15}{'probes':>8}{'GB at max':>11}{'seq/tensor':>12}")
+    print(f"{'mesh':<11}{'search':<14}{'max':>9}{'first failing':>15}{'probes':>8}{'GB at max':>11}{'seq/tensor':>12}"
+          f"{'range':>16}")
     for r in rows:
         if not r["search"].startswith("max "):
             continue
         gb = r.get("per_device_gb", "")
+        bounds = f"{r['ratio_low']}-{r['ratio_high']}" if r.get("ratio_low") else ""
         print(f"{r['mesh']:<11}{r['search']:<14}{str(r.get('max_fitting', '-') or '-'):>9}"
               f"{str(r.get('min_failing', '-') or '-'):>15}{r.get('probes', 0):>8}"
               f"{(format(gb, '.3f') if gb != '' else '-'):>11}{str(r.get('ratio_seq_over_tensor', '')):>12}"
+              f"{bounds:>16}"
               + (f"  skipped: {r['skipped']}" if r.get("skipped") else ""))
 
 
@@ -338,7 +347,7 @@ def main(argv=None):
                                                "next multiple of P above; smoke: 64)")
     p.add_argument("--length-start", type=int, help="first length probed, rounded up to the granularity "
                                                     "(default: 1024; smoke: 256)")
-    p.add_argument("--batch-start", type=int, help="first batch probed (default: 64; smoke: 32)")
+    p.add_argument("--batch-start", type=int, help="first batch probed (default: 256; smoke: 32)")
     p.add_argument("--granularity", type=int, default=LENGTH_ALIGN,
                    help="lengths are multiples of this and of 2P (default: 64)")
     p.add_argument("--capacity-gb", type=float, help="memory per device in GB (1e9 bytes) (default: the device's "
@@ -351,7 +360,7 @@ def main(argv=None):
         args.preset = "tiny"
         args.capacity_gb = 0.03 if args.capacity_gb is None else args.capacity_gb
     seq_len_given = args.seq_len is not None
-    for name, default, smoke in (("batch", 64, 8), ("seq_len", 512, 64), ("batch_start", 64, 32),
+    for name, default, smoke in (("batch", 64, 8), ("seq_len", 512, 64), ("batch_start", 256, 32),
                                  ("length_start", 1024, 256), ("max_probes", 5, 3)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else default)
