@@ -68,11 +68,12 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
 
     fsdp: every parameter is also split over the data axis (``parallel.mesh.fsdp_spec``:
     its largest dim the tensor axis leaves whole and the data size divides; leaves with
-    none stay replicated over data), and the fused optimizer's state with it.
-    `make_mesh_step` all-gathers each such param (`gather_params`) for the forward and
-    backward passes, the gradients are reduced over data onto the param shards, and the
-    optimizer updates the shards where they lie. Needs the fused optimizer and a mesh
-    without a pipe axis."""
+    none stay replicated over data), and the fused optimizer's state with it. The
+    model's layer stacks gather their params layer by layer (``gather_layer_params``,
+    again in the backward with ``cfg.remat``); `make_mesh_step` all-gathers the other
+    such params (`gather_params`) at the start of the step. The gradients are reduced
+    over data onto the param shards, and the optimizer updates the shards where they
+    lie. Needs the fused optimizer and a mesh without a pipe axis."""
     split = mesh is not None and cfg.tensor_axis is not None
     whole = cfg.replace(tensor_axis=None, sequence_parallel=False) if split else cfg
     model = fm.build(whole, impl=impl, dtype=dtype, seed=seed, train=True)
@@ -107,6 +108,8 @@ def create(cfg, *, impl: str, dtype, seed: int, tx, params_from=None, mesh=None,
         specs = jax.tree.map(lambda x, s: s.replace(fsdp_spec(x.shape, s.get_value(), mesh))
                              if isinstance(x, nnx.Param) else s, model_state, specs,
                              is_leaf=lambda v: isinstance(v, nnx.Variable))
+        for _, stack in _layer_stacks(model):
+            stack.gather_layer_params = True
     nnx.update(model, place_on_mesh(model_state, mesh, specs))
     if isinstance(tx, FusedGradientTransformation):
         # the specs the params were placed with (the fsdp ones, not their annotations)
@@ -208,15 +211,30 @@ def fsdp_gathered(graphdef, state):
     return None if same else gathered
 
 
+def _layer_stacks(model):
+    """(path, stack) of the jax_ls2 layer stacks in `model`."""
+    from jax_ls2.nn import TransformerDecoder, TransformerEncoder  # noqa: PLC0415
+    return [(path, node) for path, node in nnx.iter_graph(model)
+            if isinstance(node, (TransformerEncoder, TransformerDecoder))]
+
+
 def gather_params(model, gathered) -> None:
     """Puts `model`'s params (split over data, FSDP) under jit as `gathered`
     (`fsdp_gathered`) says, in place: one all-gather per param, before the forward
-    pass uses it. Without this the partitioner may keep a weight split and gather the
-    activations it produces instead (the whole logits, for the tied embedding split
-    over the vocabulary). The gradients, taken with respect to the gathered params,
-    are reduced onto the param shards by the optimizer's sharded step."""
-    if gathered is not None:
-        nnx.update(model, jax.tree.map(jax.lax.with_sharding_constraint, nnx.state(model, nnx.Param), gathered))
+    pass uses it; but the layers of stacks that gather their own
+    (``gather_layer_params``, one layer at a time). Without this the partitioner may
+    keep a weight split and gather the activations it produces instead (the whole
+    logits, for the tied embedding split over the vocabulary). The gradients, taken
+    with respect to the gathered params, are reduced onto the param shards by the
+    optimizer's sharded step."""
+    if gathered is None:
+        return
+    own = [tuple(path) + ("layers",) for path, stack in _layer_stacks(model) if stack.gather_layer_params]
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    wanted = dict(nnx.to_flat_state(gathered))
+    here = [(path, jax.lax.with_sharding_constraint(x, wanted[path])) for path, x in params
+            if not any(path[:len(p)] == p for p in own)]
+    nnx.update(model, nnx.from_flat_state(here))
 
 
 def _step_fn(graphdef, gathered=None):

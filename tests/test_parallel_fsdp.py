@@ -5,6 +5,7 @@ per-device parameter and optimizer bytes fall as 1 / (data * tensor) but for the
 no free dim of which the data size divides; the compiled step gathers parameters one by
 one (never a flat optimizer buffer or the whole parameter set) and hands the optimizer
 gradients reduced onto the parameter shards."""
+import collections
 import contextlib
 import functools
 import math
@@ -203,6 +204,35 @@ def test_fsdp_step_gathers_params_one_by_one(fsdp_runs, spec):
             results = line.split("=", 1)[1].split("all-reduce", 1)[0]
             assert all(_elements(r) <= largest for r in re.findall(r"\w+\[[\d,]*\]", results)), line[:200]
     assert hlo.count(" dynamic-slice(") > 0
+
+
+@pytest.mark.slow
+def test_fsdp_with_remat_gathers_each_layer_again_in_the_backward(reference):
+    """With remat the layer stack gathers a layer's params inside the layer's
+    rematerialised call: the compiled step all-gathers each data-split layer weight
+    matrix twice (forward, and again for the backward's recomputation), the layers'
+    vectors once or twice (the backward re-gathers those it needs), the other params
+    once, and trains to the one-device losses and gradients (remat changes no value)."""
+    cfg, (want_losses, want_grads, *_) = reference("gpt")
+    mesh = _mesh("data=8")
+    with jax.set_mesh(mesh):
+        losses, grads, params, _, _, program = _train(cfg.replace(remat=True), "gpt", mesh, fsdp=True)
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+    once, at_most = collections.Counter(), collections.Counter()
+    for path, x in nnx.to_flat_state(params):
+        value = x.get_value()
+        if "data" in str(value.sharding.spec):
+            once[value.size] += 1
+            at_most[value.size] += 2 if "layers" in path else 1
+    got = collections.Counter(_elements(g) for g in _all_gathers(program()))
+    assert set(got) == set(once)
+    for size in got:
+        assert once[size] <= got[size] <= at_most[size], (size, got[size], once[size], at_most[size])
+    # the matrices (no vector here has as many elements): every layer's twice
+    matrices = [size for size in got if size > 4 * cfg.hidden_size]
+    assert matrices and all(got[size] == at_most[size] for size in matrices), got
 
 
 def test_fsdp_spec():

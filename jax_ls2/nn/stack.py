@@ -16,6 +16,12 @@ splits x along the sequence over the tensor axis on entry (under ``jit``; inside
 ``shard_map`` x comes as this device's part) and returns it so split.
 ``sequence_axis`` (context parallelism, see `LayerConfig`): the stack splits x along the
 sequence over that axis on entry and the layers keep it so split.
+
+``gather_layer_params = True`` (set by ``flax_models.training.create(..., fsdp=True)``,
+whose params are split over the data axis too): each layer's call first gathers its own
+params to their annotated shardings (`jax_ls2.parallel.mesh.gather_as_annotated`), so
+the step holds one layer's gathered params at a time, and with ``remat`` the backward
+gathers them again rather than keeping them from the forward.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from flax.nnx.nn import dtypes
 from jax_ls2.nn._common import resolve_deterministic, split_sequence, tensor_axis_size
 from jax_ls2.nn.config import LayerConfig, layer_config
 from jax_ls2.nn.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
+from jax_ls2.parallel.mesh import gather_as_annotated
 
 LAYOUTS = ("auto", "batch", "seq")
 
@@ -139,12 +146,15 @@ class TransformerEncoder(nnx.Module):
                                 for _ in range(num_layers)])
         self.final_ln = _final_layer_norm(self.config, final_layer_norm)
         self.remat = remat
+        self.gather_layer_params = False
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None):
         seq_first = _seq_first("TransformerEncoder", self, x, deterministic)
 
         def run(layer, x, *, copies):
+            if self.gather_layer_params:
+                gather_as_annotated("TransformerEncoder", layer)
             return layer(x, padding_mask=padding_mask, causal=causal, deterministic=deterministic,
                          output_copies=copies, seq_first=seq_first)
         if seq_first:
@@ -180,6 +190,7 @@ class TransformerDecoder(nnx.Module):
         self.final_ln = _final_layer_norm(self.config, final_layer_norm)
         self.batched_cross_kv = batched_cross_kv
         self.remat = remat
+        self.gather_layer_params = False
         self.dtype = self.config.dtype
 
     def cross_kv(self, memory):
@@ -187,6 +198,9 @@ class TransformerDecoder(nnx.Module):
         ((src_len, batch, 2*hidden) from sequence-first memory). With fp8: one FP8 GEMM
         per layer, each with its layer's meta. With ``tensor_axis``: one column-parallel
         GEMM per layer, each (batch, src_len, 2, hidden) split on the last dim."""
+        if self.gather_layer_params:
+            for layer in self.layers:
+                gather_as_annotated("TransformerDecoder", layer.cross_attn.kv)
         if self.config.fp8 is not None or self.config.tensor_axis is not None:
             return [l.cross_attn.project_kv(memory) for l in self.layers]
         kernels = [l.cross_attn.kv.kernel[...] for l in self.layers]
@@ -205,6 +219,8 @@ class TransformerDecoder(nnx.Module):
         kvs = self.cross_kv(memory) if self.batched_cross_kv else [None] * len(self.layers)
 
         def run(layer, x, kv, *, copies):
+            if self.gather_layer_params:
+                gather_as_annotated("TransformerDecoder", layer)
             return layer(x, None if kv is not None else memory, cross_kv=kv,
                          padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
                          deterministic=deterministic, output_copies=copies, seq_first=seq_first)

@@ -200,3 +200,25 @@ def fsdp_spec(shape, spec, mesh: Mesh, axis: str = DATA):
     dim = max(free, key=lambda d: (shape[d], -d))
     entries[dim] = axis
     return P(*entries)
+
+
+def gather_as_annotated(owner: str, module) -> None:
+    """Constrains ``module``'s params, under ``jit`` with a mesh set (``jax.set_mesh``), to
+    the shardings their partition annotations give (split over the tensor axis only), in
+    place: params placed split over data too (FSDP, `fsdp_spec`) are all-gathered over
+    data where this is called. Called inside each layer's (rematerialised) call, a layer
+    stack gathers one layer's params at a time, and again in the backward when the layer
+    is rematerialised, instead of holding every layer's gathered params for the step.
+
+    Raises ValueError (naming ``owner``) without a mesh set."""
+    from flax import nnx  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    if jax.sharding.get_abstract_mesh().empty:
+        raise ValueError(f"{owner}: gathering the layers' params (FSDP) needs a mesh: call it under "
+                         f"jax.set_mesh(mesh)")
+    params = nnx.state(module, nnx.Param)
+    specs = nnx.get_partition_spec(params)
+    nnx.update(module, jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, P() if spec is None else spec),
+                                    params, specs))
+
