@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch", type=int, help=f"sequences (images) per batch (default: per preset: {sizes})")
     a("--seq", type=int, help=f"tokens per sequence (default: per preset: {seqs}; vit: its "
                               "patches)")
+    a("--max-len", type=int,
+      help="the model's longest sequence (the size of learned position tables), to train on "
+           "sequences longer than the preset's (default: the preset's)")
     a("--dtype", default="float32", choices=["float32", "bfloat16"],
       help="compute dtype; parameters stay float32 (default: float32)")
     a("--lr", type=float, default=1e-3,
@@ -190,6 +193,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
                 "from the same weights)")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.max_len is not None and args.max_len < 1:
+        p.error(f"--max-len must be at least 1, got {args.max_len}")
     if args.mlm_max_predictions < 0:
         p.error(f"--mlm-max-predictions must be >= 0, got {args.mlm_max_predictions}")
     if args.mlm_max_predictions and args.model != "bert":
@@ -246,6 +251,8 @@ def config_from(args):
     if args.dropout is not None:
         over.update(hidden_dropout=args.dropout, attn_dropout=args.dropout,
                     activation_dropout=args.dropout)
+    if args.max_len is not None:
+        over["max_len"] = args.max_len
     if args.mlm_max_predictions:
         if args.model != "bert":
             raise ValueError(f"train: --mlm-max-predictions applies to bert, not {args.model}")
@@ -266,6 +273,9 @@ PIPE_FAMILIES = ("bert", "gpt")
 (`flax_models.pipeline`)."""
 TENSOR_FAMILIES = ("bert", "gpt", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
+TEXT_FAMILIES = ("bert", "gpt", "llama")
+"""The families trained on token sequences of at most ``max_len`` (`flax_models.data`)."""
+
 SEQ_FAMILIES = ("bert", "gpt")
 """The families whose layers and loss run on sequence parts over the seq axis
 (``Config.sequence_axis``), attention through ring attention."""
@@ -576,6 +586,9 @@ def main(argv=None):
     # then lists the devices of all of them
     parallel.initialize_distributed(cpu_collectives="gloo")
     cfg, batch_size, seq = config_from(args)
+    if cfg.family in TEXT_FAMILIES and seq > cfg.max_len:
+        p.error(f"--seq {seq} exceeds the {cfg.max_len} positions of {cfg.family}/{args.preset}; give --max-len "
+                f"{seq} (or more) to train on longer sequences")
     mesh, cfg = mesh_from(p, args, cfg, batch_size, seq)
     # with --fp8 the twin is jax_ls2 without FP8, else the other implementation
     twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")

@@ -258,6 +258,8 @@ def test_checksum_mismatch_is_refused(compare_run, tmp_path):
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--batch", "0"], "--batch must be at least 1, got 0"),
     (["--seq", "-1"], "--seq must be at least 1, got -1"),
+    (["--max-len", "0"], "--max-len must be at least 1, got 0"),
+    (["--seq", "256"], "--seq 256 exceeds the 128 positions of gpt/tiny; give --max-len 256"),
     (["--lr", "-0.1"], "--lr must be a finite number >= 0, got -0.1"),
     (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
     (["--log-every", "0"], "--log-every must be at least 1, got 0"),
@@ -287,6 +289,17 @@ def test_usage_errors_before_any_training(monkeypatch, capsys, extra, message):
         T.main(["--model", "gpt"] + extra)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_max_len_trains_sequences_longer_than_the_preset(monkeypatch):
+    """``--max-len`` grows the position table so ``--seq`` can pass the preset's 128."""
+    seen = {}
+    monkeypatch.setattr(T, "train", lambda args, cfg, batch, seq, **k: seen.update(cfg=cfg, seq=seq) or {})
+    monkeypatch.setattr(T, "summary", lambda result: "")
+    T.main(["--model", "gpt", "--preset", "tiny", "--seq", "256", "--max-len", "256", "--steps", "1"])
+    assert seen["cfg"].max_len == 256 and seen["seq"] == 256
+    model = fm.build(seen["cfg"])
+    assert model.embed.positions.embedding.get_value().shape[0] == 256
 
 
 def test_help_has_a_line_and_a_default_for_every_flag(capsys):
