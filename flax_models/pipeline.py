@@ -132,8 +132,8 @@ class PipelinedEncoder(nnx.Module):
         chunk = x.shape[1] // (tensor_axis_size(seq) if seq is not None else 1)
         if x.shape[0] * chunk * x.shape[2] >= 2**32:
             raise ValueError(f"{_OWNER}: with flash attention dropout, batch x sequence chunk x hidden must stay "
-                             f"below 2**32 (the masks' row count), got {x.shape[0]} x {chunk} x {x.shape[2]}; "
-                             f"use a smaller batch per step")
+                             f"below 2**32 (a micro-batch's masks start at a 32-bit count of the query elements "
+                             f"before it), got {x.shape[0]} x {chunk} x {x.shape[2]}; use a smaller batch per step")
 
     def _layer_keys(self, deterministic: bool):
         """(L,) keys, one per layer: the key the unpipelined layer draws this call; None

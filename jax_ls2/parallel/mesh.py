@@ -221,4 +221,3 @@ def gather_as_annotated(owner: str, module) -> None:
     specs = nnx.get_partition_spec(params)
     nnx.update(module, jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, P() if spec is None else spec),
                                     params, specs))
-
