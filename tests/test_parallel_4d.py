@@ -110,3 +110,15 @@ def test_what_the_stages_refuse_on_sequence_shards():
                                          r"above 1 is not supported"):
         _loss_shape(cfg.replace(tensor_axis="tensor"), "pipe=2,tensor=2,seq=2", LEN)
     _loss_shape(cfg.replace(tensor_axis="tensor", attn_dropout=0.0), "pipe=2,tensor=2,seq=2", LEN)
+
+
+def test_stages_refuse_a_flash_mask_count_past_32_bits():
+    cfg = fm.get_config("gpt", "tiny", attention_backend="flash", sequence_axis="seq", **ALL_DROPOUT)
+    length = 2**24  # 8 x 2**23 x 64 = 2**32 query elements before the last rows
+    with jax.set_mesh(parallel.make_mesh("pipe=2,data=2,seq=2")):
+        model = nnx.eval_shape(lambda: pipeline_model(fm.build(cfg), num_microbatches=MICROBATCHES))
+        graphdef, state = nnx.split(model.decoder)
+        x = jax.ShapeDtypeStruct((BATCH, length, cfg.hidden_size), jnp.float32)
+        with pytest.raises(ValueError, match=r"PipelinedEncoder: with flash attention dropout, batch x sequence "
+                                             r"chunk x hidden must stay below 2\*\*32"):
+            jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x, causal=True, deterministic=False), state, x)
