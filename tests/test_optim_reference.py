@@ -85,14 +85,15 @@ def _compile_seconds(step, tx, shapes) -> float:
 def test_compile_time_of_many_leaves_comparable_to_optax():
     """A transformer-like tree of 300 small leaves: the fused step compiles in at most
     1.5x optax's time (measured at about 0.9x; the reference that sliced per-leaf moments
-    and concatenated them back took 3.8x). Each side is timed twice, in turn, and the
-    faster kept, so load from other processes does not decide."""
+    and concatenated them back took 3.8x). Each side is timed three times, in turn, and
+    the fastest kept, so load from other processes does not decide (twice was not
+    enough beside another test worker)."""
     h, f = 32, 128
     layer = [(h, h), (h,)] * 4 + [(h,), (h,), (h, f), (f,), (f, h), (h,), (h,), (h,)]
     shapes = ([(256, h), (h, h)] + layer * 19)[:300]
     tx, ref_tx = optim.adamw(1e-3, weight_decay=0.01), optax.adamw(1e-3, weight_decay=0.01)
     ours, theirs = [], []
-    for _ in range(2):
+    for _ in range(3):
         theirs.append(_compile_seconds(optax_step(ref_tx), ref_tx, shapes))
         ours.append(_compile_seconds(fused_step(tx), tx, shapes))
     assert min(ours) <= 1.5 * min(theirs), (ours, theirs)
