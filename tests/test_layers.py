@@ -521,12 +521,15 @@ def test_batch_sharded_stack_keeps_its_shards(layout):
     _close(fn(state, xs), want)
 
 
+@pytest.mark.parametrize("lib", ["jax_ls2", "plain"])
 @pytest.mark.parametrize("stack", ["encoder", "decoder"])
-def test_remat_stack_draws_new_masks_each_call_as_without_remat(stack):
-    """A rematerialised stack advances its layers' dropout streams as the plain one does:
-    consecutive calls draw new masks, the same as the stack without remat."""
+def test_remat_stack_draws_new_masks_each_call_as_without_remat(stack, lib):
+    """A rematerialised stack (jax_ls2's, and the plain-Flax twin's) advances its layers'
+    dropout streams as the stack without remat does: consecutive calls draw new masks,
+    the same as without remat."""
     kw = dict(hidden_dropout=0.1, attn_dropout=0.1, activation_dropout=0.1)
-    cls = nn.TransformerEncoder if stack == "encoder" else nn.TransformerDecoder
+    stacks = nn if lib == "jax_ls2" else plain
+    cls = stacks.TransformerEncoder if stack == "encoder" else stacks.TransformerDecoder
     plain_stack, remat_stack = (cls(2, 32, 64, 4, remat=r, rngs=nnx.Rngs(params=0, dropout=1), **kw)
                                 for r in (False, True))
     x = jax.random.normal(jax.random.key(2), (2, 8, 32))

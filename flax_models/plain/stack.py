@@ -15,11 +15,12 @@ def remat_call(layer, fn, *args):
     graphdef, state = nnx.split(layer)
 
     def pure(state, *args):
+        # Only the variables the call changed (dropout RNG counters) go back, so a layer
+        # run without dropout mutates nothing. Read before the call: the merged module
+        # may share its variables with `state`.
+        before = {k: v.get_raw_value() for k, v in nnx.to_flat_state(state)}
         m = nnx.merge(graphdef, state)
         out = fn(m, *args)
-        # Only the variables the call changed (dropout RNG counters) go back, so a layer
-        # run without dropout mutates nothing.
-        before = {k: v.get_raw_value() for k, v in nnx.to_flat_state(state)}
         changed = [(k, v) for k, v in nnx.to_flat_state(nnx.state(m)) if v.get_raw_value() is not before[k]]
         return out, nnx.from_flat_state(changed)
     out, changed = jax.checkpoint(pure)(state, *args)
