@@ -10,6 +10,12 @@ implementation runs in its own process (clean compile cache and memory peak):
   ls2-bf16    `jax_ls2.nn.TransformerLayer`, cuDNN attention
   ls2-fp8     the same with ``fp8=jax_ls2.fp8.DelayedScaling()`` (history 1024)
 
+With ``--dropout R`` every variant drops attention probabilities and the two hidden
+outputs (after the attention's output projection and after the FFN) at rate R, a fresh
+mask per element: plain Flax through ``flax.linen.dot_product_attention`` (its written-out
+softmax with ``broadcast_dropout=False``) and ``nn.Dropout``; jax_ls2 with
+``attention_backend="auto"`` (which picks its fused path under dropout).
+
 One timed application is the vjp of the layer with respect to its parameters, its FP8
 state and its input, for a random output cotangent, plus (jax_ls2 FP8) the meta update
 that rolls the amax histories; Flax's FP8 computes its new scales inside the same pass.
@@ -30,7 +36,7 @@ each without weight caching (``nocache``: every micro-step casts every weight), 
 (``reuse``, no weight cast). ``ms_optimizer_step`` is N micro-steps: N x nocache, or
 fill + (N - 1) x reuse.
 
-    python -m bench.bench_te_layer --out DIR [--impls ls2-bf16 ls2-fp8] [--smoke]
+    python -m bench.bench_te_layer --out DIR [--impls ls2-bf16 ls2-fp8] [--dropout 0.1] [--smoke]
     python -m bench.bench_te_layer --out DIR --accumulate 4 [--smoke]
 """
 from __future__ import annotations
@@ -47,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import MATMUL_TFLOPS, backend, git_commit, gpu_name, time_fn
+from bench.common import MATMUL_TFLOPS, backend, compile_sets, git_commit, gpu_name, time_program
 
 IMPLS = ("flax-bf16", "flax-fp8", "ls2-bf16", "ls2-fp8")
 ACCUMULATIONS = ("flat", "fused")
@@ -57,7 +63,7 @@ SEED = dict(batch=4, seq=2048, hidden=4096, ffn=16384, heads=32)
 SMOKE = dict(batch=2, seq=64, hidden=128, ffn=512, heads=4)
 AMAX_HISTORY = 1024
 FIELDS = ["op", "shape", "dtype", "pass", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tflops",
-          "pct_matmul_peak", "speedup_vs_ls2_bf16", "speedup_vs_flax_fp8", "micro_batches", "ms_optimizer_step",
+          "pct_matmul_peak", "speedup_vs_ls2_bf16", "speedup_vs_flax_fp8", "speedup_vs_flax_bf16", "micro_batches", "ms_optimizer_step",
           "speedup_vs_flat_nocache", "peak_mem_bytes", "compile_s",
           "gpu", "jax_version", "commit", "date"]
 
@@ -71,14 +77,21 @@ def layer_flops(batch, seq, hidden, ffn, heads) -> float:
     return 3.0 * (gemms + attention)
 
 
-def attention(q, k, v):
-    """(batch, seq, heads, head_dim) bf16 -> same; cuDNN on the GPU, XLA elsewhere."""
+def attention(q, k, v, rate=0.0, rng=None):
+    """(batch, seq, heads, head_dim) bf16 -> same. Without dropout cuDNN on the GPU (XLA
+    elsewhere); with dropout Flax's written-out attention, a mask drawn per element."""
+    from flax import linen as nn
+
+    if rate:
+        return nn.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=rate, broadcast_dropout=False,
+                                        deterministic=False, dtype=q.dtype)
     implementation = "cudnn" if jax.default_backend() == "gpu" else None
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
 
 
-def flax_layer(shape, fp8: bool):
-    """(apply(variables, x), variables): the plain Linen layer, FP8 Dense layers if asked."""
+def flax_layer(shape, fp8: bool, rate: float = 0.0):
+    """(apply(variables, x, rng), variables): the plain Linen layer, FP8 Dense layers if
+    asked, dropout at `rate` (attention probabilities and both hidden outputs)."""
     from flax import linen as nn
 
     hidden, ffn, heads = shape["hidden"], shape["ffn"], shape["heads"]
@@ -90,46 +103,61 @@ def flax_layer(shape, fp8: bool):
             def dense(features, name):
                 return nn.Dense(features, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, name=name, **extra)
 
+            def drop(y):
+                return nn.Dropout(rate, deterministic=False)(y) if rate else y
+
             b, t, _ = x.shape
             h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
             q, k, v = jnp.split(dense(3 * hidden, "qkv")(h).reshape(b, t, 3 * heads, hidden // heads), 3, axis=2)
-            x = x + dense(hidden, "out")(attention(q, k, v).reshape(b, t, hidden))
+            a = attention(q, k, v, rate, self.make_rng("dropout") if rate else None)
+            x = x + drop(dense(hidden, "out")(a.reshape(b, t, hidden)))
             h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
             h = jax.nn.gelu(dense(ffn, "fc1")(h), approximate=False)
-            return x + dense(hidden, "fc2")(h)
+            return x + drop(dense(hidden, "fc2")(h))
 
     layer = Layer()
     x = jnp.zeros((shape["batch"], shape["seq"], hidden), jnp.bfloat16)
-    variables = layer.init(jax.random.key(0), x)
-    return layer.apply, variables
+    variables = layer.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    return (lambda v, x, rng: layer.apply(v, x, rngs={"dropout": rng})), variables
 
 
-def flax_step(shape, fp8: bool):
-    apply, variables = flax_layer(shape, fp8)
+def flax_step(shape, fp8: bool, rate: float = 0.0):
+    apply, variables = flax_layer(shape, fp8, rate)
 
     def step(variables, x, dy):
-        y, vjp = jax.vjp(lambda v, x: apply(v, x), variables, x)
+        y, vjp = jax.vjp(lambda v, x: apply(v, x, jax.random.key(2)), variables, x)
         return vjp(dy)
 
     return step, variables
 
 
-def ls2_step(shape, fp8: bool):
+def ls2_layer(shape, rate: float, **kw):
+    """The jax_ls2 TransformerLayer of the seed shape: cuDNN attention without dropout,
+    "auto" (its fused path) with it."""
+    from flax import nnx
+
+    from jax_ls2.nn import TransformerLayer
+
+    backend = "auto" if rate else ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    return TransformerLayer(shape["hidden"], shape["ffn"], shape["heads"], hidden_dropout=rate, attn_dropout=rate,
+                            activation_dropout=0.0, activation="gelu", attention_backend=backend,
+                            dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **kw)
+
+
+def ls2_step(shape, fp8: bool, rate: float = 0.0):
     from flax import nnx
 
     from jax_ls2 import fp8 as ls2_fp8
-    from jax_ls2.nn import TransformerLayer
 
     recipe = ls2_fp8.DelayedScaling(amax_history_len=AMAX_HISTORY) if fp8 else None
-    layer = TransformerLayer(shape["hidden"], shape["ffn"], shape["heads"], hidden_dropout=0.0, attn_dropout=0.0,
-                             activation="gelu", attention_backend="cudnn" if jax.default_backend() == "gpu" else "xla",
-                             dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
-                             **({"fp8": recipe} if fp8 else {}))
+    layer = ls2_layer(shape, rate, **({"fp8": recipe} if fp8 else {}))
+    # A key given at call time: the module's own stream would be mutated inside the vjp.
+    call = dict(deterministic=False, rngs=jax.random.key(2)) if rate else dict(deterministic=True)
     if not fp8:
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def step(params, x, dy):
-            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x, deterministic=True), params, x)
+            y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x, **call), params, x)
             return vjp(dy)
 
         return step, params
@@ -138,7 +166,8 @@ def ls2_step(shape, fp8: bool):
 
     def fp8_step(state, x, dy):
         params, metas = state
-        y, vjp = jax.vjp(lambda p, m, x: nnx.merge(graphdef, p, m, rest)(x, deterministic=True), params, metas, x)
+        y, vjp = jax.vjp(lambda p, m, x: nnx.merge(graphdef, p, m, rest)(x, **call),
+                         params, metas, x)
         param_grads, meta_grads, dx = vjp(dy)
         _, new_metas = ls2_fp8.apply_meta_updates(metas, meta_grads, recipe)
         return param_grads, new_metas, dx
@@ -155,12 +184,9 @@ def ls2_accumulate_step(shape, accumulation: str, cache):
 
     from jax_ls2 import fp8 as ls2_fp8
     from jax_ls2 import optim
-    from jax_ls2.nn import TransformerLayer
 
     recipe = ls2_fp8.DelayedScaling(amax_history_len=AMAX_HISTORY)
-    layer = TransformerLayer(shape["hidden"], shape["ffn"], shape["heads"], hidden_dropout=0.0, attn_dropout=0.0,
-                             activation="gelu", attention_backend="cudnn" if jax.default_backend() == "gpu" else "xla",
-                             dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8=recipe)
+    layer = ls2_layer(shape, 0.0, fp8=recipe)
     if cache is not None:
         # Filled once, so that the fill and the reuse step take caches of one structure.
         ls2_fp8.cache_weights(layer, True)
@@ -194,8 +220,10 @@ def ls2_accumulate_step(shape, accumulation: str, cache):
     return flat_step, (optim.init_accumulator(variables), variables, caches)
 
 
-def run_one(impl: str, shape: dict, reps: int) -> dict:
-    """Times one implementation in this process; returns its figures."""
+def prepare(impl: str, shape: dict, rate: float = 0.0):
+    """(measure, compile_s): builds and compiles one implementation's timed program in
+    this process; ``measure(reps)`` then times it (nothing compiles there) and returns
+    its figures."""
     import time
 
     if impl.startswith("acc-"):
@@ -204,18 +232,29 @@ def run_one(impl: str, shape: dict, reps: int) -> dict:
     else:
         kind, precision = impl.split("-")
         builder = flax_step if kind == "flax" else ls2_step
-        step, state = builder(shape, precision == "fp8")
+        step, state = builder(shape, precision == "fp8", rate)
     kx, kd = jax.random.split(jax.random.key(1))
     dims = (shape["batch"], shape["seq"], shape["hidden"])
     x = jax.random.normal(kx, dims, jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(kd, dims, jnp.float32).astype(jnp.bfloat16)
+    sets = [(state, x, dy)]
     t0 = time.perf_counter()
-    jax.block_until_ready(jax.jit(step).lower(state, x, dy).compile()(state, x, dy))
+    prog = compile_sets(step, sets)
     compile_s = time.perf_counter() - t0
-    med, p20, p80 = time_fn(step, [(state, x, dy)], reps=reps, warmup=3, pipeline=4)
-    stats = jax.devices()[0].memory_stats() or {}
-    return dict(ms_median=med, ms_p20=p20, ms_p80=p80, compile_s=compile_s,
-                peak_mem_bytes=stats.get("peak_bytes_in_use", ""))
+
+    def measure(reps: int) -> dict:
+        med, p20, p80 = time_program(prog, sets, reps=reps, warmup=3, pipeline=4)
+        stats = jax.devices()[0].memory_stats() or {}
+        return dict(ms_median=med, ms_p20=p20, ms_p80=p80, compile_s=compile_s,
+                    peak_mem_bytes=stats.get("peak_bytes_in_use", ""))
+
+    return measure, compile_s
+
+
+def run_one(impl: str, shape: dict, reps: int, rate: float = 0.0) -> dict:
+    """Times one implementation in this process; returns its figures."""
+    measure, _ = prepare(impl, shape, rate)
+    return measure(reps)
 
 
 def main(argv=None):
@@ -226,46 +265,72 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="a tiny layer (checks the script, any backend)")
     p.add_argument("--accumulate", type=int, default=0, metavar="N",
                    help="time FP8 accumulation micro-steps (flat vs fused, weight caching) for N micro-batches")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention and hidden dropout rate")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.accumulate and args.dropout:
+        p.error("--accumulate times the layer without dropout; leave --dropout out")
     shape = SMOKE if args.smoke else SEED
     if args.one:
-        print(json.dumps(run_one(args.one, shape, args.reps)))
+        print(json.dumps(run_one(args.one, shape, args.reps, args.dropout)))
         return
-    flops = layer_flops(**shape)
     impls = ACC_IMPLS if args.accumulate else args.impls
     results = {}
     for impl in impls:
         cmd = [sys.executable, "-m", "bench.bench_te_layer", "--out", args.out, "--one", impl,
-               "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])
+               "--reps", str(args.reps), "--dropout", str(args.dropout)] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{impl}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
         results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = result_rows(results, shape, args.dropout, args.accumulate)
+    path = write_rows(rows, os.path.join(args.out, "bench_te_layer.csv"))
+    print_rows(rows)
+    print(f"wrote {path}")
+    if len(results) < len(impls):
+        sys.exit(1)
+    return rows
+
+
+def result_rows(results: dict, shape: dict, rate: float = 0.0, accumulate: int = 0) -> list:
+    """CSV rows of {impl: figures} measured at one dropout rate, with TFLOP/s and the
+    speedups over the jax_ls2 bf16 and Flax FP8 rows of the same rate."""
+    flops = layer_flops(**shape)
     meta = dict(backend=backend(), gpu=gpu_name(), jax_version=jax.__version__, commit=git_commit(),
                 date=datetime.date.today().isoformat())
     shape_text = "x".join(str(shape[k]) for k in ("batch", "seq", "hidden", "ffn", "heads"))
+    shape_text += f" dropout={rate}" if rate else ""
     rows = []
-    op = "te_layer_accumulate" if args.accumulate else "te_layer"
+    op = "te_layer_accumulate" if accumulate else "te_layer"
     for impl, r in results.items():
         row = dict(meta, op=op, shape=shape_text, dtype="bfloat16", **{"pass": "fwd+bwd"}, impl=impl, **r)
         row["tflops"] = round(flops / (r["ms_median"] * 1e-3) / 1e12, 1)
         row["pct_matmul_peak"] = round(100 * row["tflops"] / MATMUL_TFLOPS, 1)
-        for ref, col in (("ls2-bf16", "speedup_vs_ls2_bf16"), ("flax-fp8", "speedup_vs_flax_fp8")):
+        for ref, col in (("ls2-bf16", "speedup_vs_ls2_bf16"), ("flax-fp8", "speedup_vs_flax_fp8"),
+                         ("flax-bf16", "speedup_vs_flax_bf16")):
             if ref in results:
                 row[col] = round(results[ref]["ms_median"] / r["ms_median"], 3)
         for k in ("ms_median", "ms_p20", "ms_p80", "compile_s"):
             row[k] = round(row[k], 4)
         rows.append(row)
-    if args.accumulate:
-        _optimizer_step_times(rows, results, args.accumulate)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_te_layer.csv")
+    if accumulate:
+        _optimizer_step_times(rows, results, accumulate)
+    return rows
+
+
+def write_rows(rows: list, path: str) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    return path
+
+
+def print_rows(rows: list):
     print(f"{'impl':<19}{'ms':>9}{'p20':>9}{'p80':>9}{'TFLOP/s':>9}{'x ls2 bf16':>11}{'x flax fp8':>11}"
           f"{'step ms':>9}{'x flat':>8}{'peak GB':>9}{'compile s':>10}")
     for r in rows:
@@ -274,10 +339,6 @@ def main(argv=None):
               f"{str(r.get('speedup_vs_ls2_bf16', '')):>11}{str(r.get('speedup_vs_flax_fp8', '')):>11}"
               f"{str(r.get('ms_optimizer_step', '')):>9}{str(r.get('speedup_vs_flat_nocache', '')):>8}"
               f"{peak:>9}{r['compile_s']:>10}")
-    print(f"wrote {path}")
-    if len(results) < len(impls):
-        sys.exit(1)
-    return rows
 
 
 def _optimizer_step_times(rows, results, n: int):

@@ -175,7 +175,17 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], reps: int = 50, warmup: int
     `pipeline` runs of it back to back and waits for the last, so the host's
     argument handling overlaps device work; sample time / (pipeline * len(arg_sets))
     is the time of one application."""
-    prog = jax.jit(lambda sets: [fn(*s) for s in sets])
+    arg_sets = list(arg_sets)
+    return time_program(compile_sets(fn, arg_sets), arg_sets, reps, warmup, pipeline)
+
+
+def compile_sets(fn: Callable, arg_sets: Sequence[tuple]):
+    """The compiled program that `time_fn` times: fn applied to every input set."""
+    return jax.jit(lambda sets: [fn(*s) for s in sets]).lower(list(arg_sets)).compile()
+
+
+def time_program(prog, arg_sets: Sequence[tuple], reps: int = 50, warmup: int = 3, pipeline: int = 4):
+    """`time_fn`'s timing of a program from `compile_sets` (nothing compiles here)."""
     arg_sets = list(arg_sets)
     for _ in range(warmup):
         jax.block_until_ready(prog(arg_sets))
