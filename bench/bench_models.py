@@ -155,6 +155,16 @@ def time_steps(step, state, batches, steps, warmup, group=GROUP):
 
 
 def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
+    measure, _ = prepare(name, impl, quick, smoke, batch)
+    return measure(steps, warmup, group)
+
+
+def prepare(name, impl, quick, smoke, batch=None):
+    """(measure, compile_s): builds one (model, impl)'s train state and compiles its step
+    in this process; ``measure(steps, warmup, group)`` then runs and times it (nothing
+    compiles there) and returns the result row."""
+    import time as _time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -171,13 +181,27 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
     tx, opt = training.make_optimizer(1e-4, 1000, 10, fused=impl != "plain")
     graphdef, state = training.create(cfg, impl="plain" if impl == "plain" else "ls2", dtype=jnp.bfloat16, seed=0,
                                       tx=tx)
-    step = training.make_step(graphdef)
+    jitted = training.make_step(graphdef)
     batches = [jax.device_put(data.make_batch(cfg, 0, i, batch, seq)) for i in range(4)]
+    t0 = _time.perf_counter()
+    step = jitted.lower(state, batches[0]).compile()
+    compile_s = _time.perf_counter() - t0
+    return (lambda steps, warmup, group=GROUP: _measure(
+        step, state, batches, steps, warmup, group, name=name, impl=impl, cfg=cfg, batch=batch, seq=seq,
+        family=family, dropout=dropout, overrides=overrides, opt=opt, compile_s=compile_s)), compile_s
+
+
+def _measure(step, state, batches, steps, warmup, group, *, name, impl, cfg, batch, seq, family, dropout,
+             overrides, opt, compile_s):
+    import jax
+    import numpy as np
+
+    from flax_models import data
     state, loss, times, host_ms = time_steps(step, state, batches, steps, warmup, group)
     if os.environ.get("JAX_LS2_PROFILE_TOP"):
         print_top_kernels(lambda s: step(s, batches[0]), state, int(os.environ["JAX_LS2_PROFILE_TOP"]))
     if os.environ.get("JAX_LS2_PROFILE_HLO"):
-        print_fusions(step.lower(state, batches[0]).compile().as_text(),
+        print_fusions(step.as_text(),
                       os.environ["JAX_LS2_PROFILE_HLO"].split(","))
     ms = 1e3 * np.asarray(times)
     med = float(np.median(ms))
@@ -191,7 +215,7 @@ def run_one(name, impl, steps, warmup, quick, smoke, group=GROUP, batch=None):
             "unit": "images" if family == "vit" else "tokens",
             "mfu": train_flops(cfg, batch, seq) / (med * 1e-3) / PEAK_FLOPS,
             "peak_mem_gb": stats.get("peak_bytes_in_use", float("nan")) / 1e9,
-            "optimizer": opt, "loss": float(loss), "group": group, "host_ms": host_ms,
+            "optimizer": opt, "loss": float(loss), "group": group, "host_ms": host_ms, "compile_s": compile_s,
             "gpu": jax.devices()[0].device_kind, "jax_version": jax.__version__}
 
 
@@ -382,7 +406,7 @@ def write_csv(rows, out, date, quick, smoke):
             r["speedup_vs_ls2"] = bf16["ms_median"] / r["ms_median"]
     fields = ["model", "shape", "dtype", "impl", "backend", "ms_median", "ms_p20", "ms_p80", "tokens_per_s",
               "unit", "mfu", "peak_mem_gb", "peak_mem_vs_plain", "speedup", "speedup_vs_ls2", "optimizer", "loss",
-              "group", "host_ms", "gpu", "jax_version", "git_commit", "date"]
+              "group", "host_ms", "compile_s", "gpu", "jax_version", "git_commit", "date"]
     path = os.path.join(out, f"models_{date[:10]}{'_quick' if quick else ''}"
                              f"{'_smoke' if smoke else ''}.csv")
     with open(path, "w", newline="") as f:
