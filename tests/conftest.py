@@ -1,16 +1,43 @@
 """Test setup: 8 simulated CPU devices for the sharding tests, the `gpu` marker
 (skipped without a GPU and the compiled kernels), and NaN-filled kernel outputs
 (JAX_LS2_POISON_OUTPUTS=1: the FFI handlers fill their outputs with NaN before each
-launch, so an element a kernel fails to write fails the GPU tests)."""
+launch, so an element a kernel fails to write fails the GPU tests).
+
+Two switches for bench/gpu_tests.py, which runs the GPU tests in several processes:
+JAX_LS2_TEST_SHARD=i/n keeps the i-th of every n GPU tests (where pytest-xdist is
+missing), and JAX_LS2_TEST_PROFILE=DIR makes each process write DIR/<name>.json with where
+its time went: start-up (from JAX_LS2_TEST_T0, the runner's clock), collection, JAX's
+tracing and lowering, XLA's backend compiles (their number and seconds), and the rest."""
+import json
 import os
+import time
 
 os.environ.setdefault("JAX_LS2_POISON_OUTPUTS", "1")
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+_T_CONFTEST = time.time()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+_PROFILE_DIR = os.environ.get("JAX_LS2_TEST_PROFILE")
+_PROFILE = {"compiles": 0, "backend_compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0}
+_EVENTS = {"/jax/core/compile/backend_compile_duration": "backend_compile_s",
+           "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s"}
+
+
+def _on_duration(event, duration, **_):
+    key = _EVENTS.get(event)
+    if key is not None:
+        _PROFILE[key] += duration
+        _PROFILE["compiles"] += key == "backend_compile_s"
+
+
+if _PROFILE_DIR:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def _have_gpu() -> bool:
@@ -25,9 +52,36 @@ def pytest_collection_modifyitems(config, items):
     # The long training runs (marker `slow`) first, so that with several xdist workers
     # the short tests fill in around them instead of one long run finishing last.
     items.sort(key=lambda item: "slow" not in item.keywords)
+    shard = os.environ.get("JAX_LS2_TEST_SHARD")
+    if shard:
+        i, n = (int(v) for v in shard.split("/"))
+        gpu = [item for item in items if "gpu" in item.keywords]
+        keep = set(gpu[i::n])
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = [item for item in items if item in keep]
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and the compiled jax_ls2 CUDA kernels")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection(session):
+    _PROFILE["collect_t0"] = time.time()
+
+
+def pytest_collection_finish(session):
+    _PROFILE["collect_s"] = time.time() - _PROFILE.pop("collect_t0", time.time())
+
+
+def pytest_sessionfinish(session):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not _PROFILE_DIR or (worker is None and getattr(session.config.option, "numprocesses", None)):
+        return  # off, or the xdist controller (its workers write their own)
+    name = worker or "shard" + os.environ.get("JAX_LS2_TEST_SHARD", "0/1").replace("/", "of")
+    t0 = float(os.environ.get("JAX_LS2_TEST_T0", _T_CONFTEST))
+    record = dict(_PROFILE, name=name, startup_s=_T_CONFTEST - t0, wall_s=time.time() - t0)
+    os.makedirs(_PROFILE_DIR, exist_ok=True)
+    with open(os.path.join(_PROFILE_DIR, f"{name}.json"), "w") as f:
+        json.dump(record, f)
