@@ -3,8 +3,9 @@
 # logs and CSVs to $OUT (default a fresh bench/results/runs/<date>_<commit>, which git ignores),
 # prints a short table last. Its CSVs join the long history with
 #   python -m bench.report append $OUT --run <gpu>-<date>
-#   bash bench/gpu_check.sh [tests|bench|sweep|sanitize|models|scaling|ncu]...   (default: tests bench)
-# Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
+#   bash bench/gpu_check.sh [quick|tests|bench|sweep|sanitize|models|scaling|ncu]...   (default: tests bench)
+# quick: every GPU test and the standard benchmarks (bench/quick.py), the table last.
+# Env: PACK_TO, TEST_FILES, TEST_K (pytest -k), TEST_WORKERS, QUICK_JOBS (compiles at once), SWEEPS (cross_entropy dropout optim softmax layer_norm_bwd; DROPOUT_ONLY, DROPOUT_VARIANTS, SOFTMAX_VARIANTS), BENCHES (e.g. "bench_layer_norm bench_optim"), BENCH_DTYPES, OPTIM_PARTS,
 # MODELS_ARGS (e.g. "--models llama-small llama-1b"), SCALING_ARGS (bench_scaling, e.g. "--models gpt2-small"), DECODE_ARGS (bench_decode, e.g. "--models llama-1b"), NCU_KERNELS / NCU_ARGS (bench/profile_kernels.py) / NCU_EXTRA (more ncu flags), SANITIZE_TOOLS / SANITIZE_FILES / SANITIZE_KERNELS, and *_TIMEOUT
 # limits (OPTIM_TIMEOUT for bench_optim, DECODE_TIMEOUT for bench_decode, SCALING_TIMEOUT for bench_scaling) in seconds. JAX_LS2_COMMIT labels the rows (default the tree's git HEAD; give it when the files are newer than that HEAD).
 set -uo pipefail
@@ -26,27 +27,34 @@ t0=$(date +%s)
 if ! $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
   tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
-summary+=("build: ok in $(( $(date +%s) - t0 )) s")
+summary+=("build: ok in $(( $(date +%s) - t0 )) s; slowest sources: $(grep -oE '\[[0-9]+/[0-9]+\] [^ ]+ \([0-9]+ s\)' "$OUT/build.log" | sed -E 's/^\[[0-9/]+\] //' | sort -t'(' -k2 -n | tail -3 | tr '\n' ' ')")
 $PY -c "import jax, jax_ls2; print(jax.devices(), 'kernels:', jax_ls2.cuda_available(), sorted(jax_ls2.registered_targets()))" 2>&1 | tail -2
 
 for step in $STEPS; do
   case $step in
     tests)
+      # Every GPU test in one pytest session over TEST_WORKERS processes (bench/gpu_tests.py).
+      $PY -m bench.gpu_tests --out "$OUT" --timeout ${TEST_TIMEOUT:-300} ${TEST_WORKERS:+--workers $TEST_WORKERS} \
+        ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests} >"$OUT/gpu_tests_summary.log" 2>&1
+      summary+=("$(cat "$OUT/gpu_tests_summary.log")")
+      pack
+      ;;
+    quick)
+      # The GPU tests and the standard benchmarks' compiles side by side; the timings
+      # (one process at a time, bench/quick.py) start once both have ended.
       t0=$(date +%s)
-      # One pytest per test file, side by side: the run is bound by XLA compiles on the
-      # host, and the GPU memory is shared (no preallocation).
-      pids=()
-      for f in ${TEST_FILES:-tests/test_*.py}; do
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-400} $PY -m pytest "$f" -m gpu -q ${TEST_K:+-k "$TEST_K"} \
-          -p no:cacheprovider >"$OUT/gpu_tests_$(basename "$f" .py).log" 2>&1 &
-        pids+=($!)
-      done
-      wait "${pids[@]}"
-      for log in "$OUT"/gpu_tests_*.log; do
-        summary+=("$(basename "$log" .log): $(tail -1 "$log")")
-        grep -E "^(FAILED|ERROR)" "$log" | head -10
-      done
-      summary+=("gpu tests: $(( $(date +%s) - t0 )) s")
+      done_flag=$(mktemp -u /tmp/jax_ls2_tests_done.XXXXXX)
+      JAX_LS2_IMPL=${JAX_LS2_IMPL:-cuda} $PY -m bench.quick --out "$OUT" --after "$done_flag" --timeout ${QUICK_TIMEOUT:-460} \
+        ${QUICK_JOBS:+--jobs $QUICK_JOBS} >"$OUT/quick.log" 2>&1 &
+      quick_pid=$!
+      $PY -m bench.gpu_tests --out "$OUT" --timeout ${TEST_TIMEOUT:-300} ${TEST_WORKERS:+--workers $TEST_WORKERS} \
+        ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests} >"$OUT/gpu_tests_summary.log" 2>&1
+      touch "$done_flag"
+      wait $quick_pid
+      quick_rc=$?
+      rm -f "$done_flag"
+      summary+=("$(cat "$OUT/gpu_tests_summary.log")")
+      summary+=("standard benchmarks: exit $quick_rc, $(( $(date +%s) - t0 )) s with the tests; table below")
       pack
       ;;
     sanitize)
@@ -163,4 +171,5 @@ for path in sorted(glob.glob(sys.argv[1] + "/*.csv") + glob.glob(sys.argv[1] + "
               f"{r.get('ms_median',''):>8}ms {r.get('pct_copy_bw',''):>5}% x{r.get('speedup_vs_xla', ''):<6}"
               f" dev {r.get('device_ms',''):>8}ms {r.get('device_pct_copy_bw',''):>5}% x{r.get('device_speedup_vs_xla','')}")
 PYEOF
+[ -f "$OUT/quick.log" ] && sed -n '/^==== standard benchmarks/,$p' "$OUT/quick.log"
 echo "append these results to bench/results/results.csv with: python -m bench.report append $OUT --run <gpu>-<date>"
