@@ -123,7 +123,8 @@ def run_all(out, smoke, n_jobs, after, timeout):
     """Every job of `jobs`, then the attention cases; returns (procs, attention_ok)."""
     log_dir = os.path.join(out, "quick_logs")
     os.makedirs(log_dir, exist_ok=True)
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    # JAX_LS2_DEVICE_TIME=0: no CUPTI re-runs after each timing (the rows here carry none).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", JAX_LS2_DEVICE_TIME="0")
     deadline = time.time() + timeout
     pending, compiling, ready, done = list(jobs(smoke)), [], [], []
     while pending or compiling:

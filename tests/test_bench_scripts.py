@@ -272,3 +272,65 @@ def test_bench_sequence_memory_search_brackets_the_limit():
     assert search(lambda n: n, 512, 64, 30, 300)[:2] == (256, 320)
     assert default_devices(fm.get_config("bert", "base"), 8) == 6  # 30522 = 2 x 3 x 5087 words
     assert default_devices(fm.get_config("bert", "tiny"), 8) == 4
+
+
+@pytest.mark.slow
+def test_quick_smoke_times_only_after_every_compile_and_writes_the_csvs(tmp_path):
+    out = _run(tmp_path, "bench.quick", "--smoke", "--jobs", "2")
+    lines = out.splitlines()
+    compiled = [i for i, l in enumerate(lines) if ": compiled in " in l]
+    timed = [i for i, l in enumerate(lines) if l.endswith(" ms") and ": " in l]
+    assert len(compiled) == len(timed) == 4 and max(compiled) < min(timed), out
+    [models] = [p for p in os.listdir(tmp_path) if p.startswith("models_")]
+    assert [(r["model"], r["impl"]) for r in _rows(tmp_path / models)] == [("gpt2-small", "plain"),
+                                                                          ("gpt2-small", "ls2")]
+    te = _rows(tmp_path / "bench_te_layer.csv")
+    assert {r["impl"] for r in te} == {"flax-bf16", "ls2-fp8"} and all("dropout=0.1" in r["shape"] for r in te)
+    assert float(te[0]["speedup_vs_flax_bf16"]) > 0
+    table = out[out.index("==== standard benchmarks"):]
+    assert "gpt2-small train step, jax_ls2" in table and "plain Flax" in table, table
+
+
+def test_quick_table_puts_each_figure_over_its_same_run_baseline():
+    from bench.quick import table
+    models = [dict(model="gpt2-small", impl="plain", ms_median=40.0), dict(model="gpt2-small", impl="ls2", ms_median=30.0),
+              dict(model="gpt2-small", impl="ls2-fp8", ms_median=25.0)]
+    te = [dict(impl="flax-bf16", shape="4x2048", ms_median=16.0), dict(impl="ls2-bf16", shape="4x2048", ms_median=16.0),
+          dict(impl="ls2-bf16", shape="4x2048 dropout=0.1", ms_median=19.0),
+          dict(impl="flax-bf16", shape="4x2048 dropout=0.1", ms_median=22.8)]
+    att = [dict(shape="8x2048x16x128", causal="True", impl="cudnn", ms_median="2.0"),
+           dict(shape="8x2048x16x128", causal="True", impl="jax_ls2", ms_median="4.0")]
+    got = {(what, base_name): ratio for what, _, base_name, _, ratio in table(models, te, att)}
+    assert got[("gpt2-small train step, jax_ls2", "plain Flax")] == pytest.approx(40 / 30)
+    assert got[("gpt2-small train step, jax_ls2 FP8", "jax_ls2 bf16")] == pytest.approx(30 / 25)
+    assert got[("seed layer, dropout 0, jax_ls2 bf16", "Flax bf16 (cuDNN)")] == pytest.approx(1.0)
+    assert got[("seed layer, dropout 0.1, jax_ls2 bf16", "Flax bf16")] == pytest.approx(22.8 / 19)
+    assert got[("attention 8x2048x16x128 causal fwd+bwd, jax_ls2 flash", "cuDNN")] == pytest.approx(0.5)
+    assert len(got) == 5  # no figure without its baseline
+
+
+def test_gpu_test_shards_partition_the_gpu_tests():
+    def collected(shard):
+        env = dict(os.environ, **({"JAX_LS2_TEST_SHARD": shard} if shard else {}))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                               "-p", "no:cacheprovider", "tests/test_rotary.py"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        return [l for l in proc.stdout.splitlines() if "::" in l]
+
+    whole = collected(None)
+    shards = [collected(f"{i}/3") for i in range(3)]
+    assert len(whole) > 3 and sorted(sum(shards, [])) == sorted(whole)
+    assert all(shards) and len(set(sum(shards, []))) == len(whole)
+
+
+def test_gpu_tests_counts_outcomes_and_names_the_failures(tmp_path):
+    from bench.gpu_tests import results, summary
+    (tmp_path / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite><testcase file="tests/test_a.py" name="t1" time="2.5"/>'
+        '<testcase file="tests/test_a.py" name="t2" time="1.0"><failure message="x"/></testcase>'
+        '<testcase file="tests/test_b.py" name="t3" time="0.1"><skipped/></testcase></testsuite></testsuites>')
+    counts, tests = results(str(tmp_path))
+    assert counts == dict(passed=1, failed=1, errors=0, skipped=1)
+    lines = summary(0, 10.0, counts, tests, [], 4)
+    assert lines[0].startswith("gpu tests: 1 passed, 1 failed, 0 errors, 1 skipped")
+    assert "  FAILED: tests/test_a.py::t2" in lines and "test_a.py 4" in " ".join(lines)
