@@ -14,6 +14,11 @@
 // >= threshold (jax_ls2/_random.py); one hash gives the draws of an aligned pair.
 // threshold == 0 selects a variant that neither hashes nor scales. The backward
 // regenerates the mask from the seed.
+//
+// The launchers are instantiated one dtype per translation unit (dropout_f32.cu,
+// dropout_f16.cu, dropout_bf16.cu), which compile in parallel: in one unit this was the
+// slowest source of the build.
+#pragma once
 #include <algorithm>
 #include <initializer_list>
 #include <type_traits>
@@ -392,16 +397,13 @@ cudaError_t LaunchBiasActDropoutBwd(const DropoutBwdArgs& a, const DropoutLaunch
   return Bwd<T, kActBwd>(a, o, stream);
 }
 
-#define JAX_LS2_INSTANTIATE(T)                                                                             \
+#define JAX_LS2_INSTANTIATE_DROPOUT(T)                                                                             \
   template cudaError_t LaunchBiasDropoutResidualFwd<T>(const DropoutFwdArgs&, const DropoutLaunchOptions&,   \
                                                        cudaStream_t);                                        \
   template cudaError_t LaunchBiasDropoutResidualBwd<T>(const DropoutBwdArgs&, const DropoutLaunchOptions&,   \
                                                        cudaStream_t);                                        \
   template cudaError_t LaunchBiasActDropoutFwd<T>(const DropoutFwdArgs&, const DropoutLaunchOptions&, cudaStream_t); \
   template cudaError_t LaunchBiasActDropoutBwd<T>(const DropoutBwdArgs&, const DropoutLaunchOptions&, cudaStream_t);
-JAX_LS2_INSTANTIATE(float)
-JAX_LS2_INSTANTIATE(__half)
-JAX_LS2_INSTANTIATE(__nv_bfloat16)
-#undef JAX_LS2_INSTANTIATE
+
 
 }  // namespace jax_ls2
