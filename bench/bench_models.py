@@ -167,7 +167,6 @@ def prepare(name, impl, quick, smoke, batch=None):
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from flax_models import data, training
     family, _, _, _, dropout, *extra = MODELS[name]
