@@ -50,6 +50,8 @@ for step in $STEPS; do
       $PY -m bench.gpu_tests --out "$OUT" --timeout ${TEST_TIMEOUT:-300} ${TEST_WORKERS:+--workers $TEST_WORKERS} \
         ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests} >"$OUT/gpu_tests_summary.log" 2>&1
       touch "$done_flag"
+      cat "$OUT/gpu_tests_summary.log"
+      pack
       wait $quick_pid
       quick_rc=$?
       rm -f "$done_flag"

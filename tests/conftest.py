@@ -12,10 +12,31 @@ import json
 import os
 import time
 
+def _cuda_plugin_installed() -> bool:
+    """Whether jax could reach a CUDA GPU here (its CUDA plugin is installed)."""
+    import importlib.util
+    import pkgutil
+
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return True
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any("cuda" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
 os.environ.setdefault("JAX_LS2_POISON_OUTPUTS", "1")
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Where jax has only the CPU, XLA's LLVM code generation runs unoptimised: the suite is
+# bound by thousands of small compiles, not by running the programs (tests/test_layers.py
+# took 42 s instead of 60 s on 2 cores), and the arithmetic is the same IEEE arithmetic
+# (no fast-math either way). Set by the environment, so the tests' subprocesses get it
+# too; left alone where a GPU may run, whose kernels XLA compiles with the same flag.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and not _cuda_plugin_installed():
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 _T_CONFTEST = time.time()
 
