@@ -304,6 +304,7 @@ BAD = [
     (lambda: layer_norm_fp8(X, V8[:5], V8, S), ValueError, r"layer_norm_fp8: gamma must have shape \(8,\), got \(5,\)"),
     (lambda: layer_norm_fp8(X, V8, V8, S, fp8_dtype=jnp.bfloat16), ValueError, "layer_norm_fp8: fp8_dtype must be float8_e4m3fn or float8_e5m2, got"),
     (lambda: layer_norm_fp8(X, V8, V8, S, epsilon=0.0), ValueError, "layer_norm_fp8: epsilon must be a positive"),
+    (lambda: layer_norm_fp8(X, V8, V8, S, epsilon=float("inf")), ValueError, "layer_norm_fp8: epsilon must be a positive finite Python float, got inf"),
     (lambda: layer_norm_fp8(X.astype(jnp.int32), V8, V8, S), TypeError, "layer_norm_fp8: x must have dtype in"),
     (lambda: bias_gelu_fp8(X, V8, S, activation="silu"), ValueError, r"bias_gelu_fp8: activation must be one of \('relu', 'gelu', 'gelu_tanh'\), got 'silu'"),
     (lambda: bias_gelu_fp8(X, V8[None], S), ValueError, r"bias_gelu_fp8: bias must have rank 1, got shape \(1, 8\)"),

@@ -297,6 +297,9 @@ def test_bad_inputs():
     for bad in (0.0, -1.0, True):
         with pytest.raises(ValueError, match="layer_norm: epsilon must be a positive"):
             layer_norm(x, g, b, epsilon=bad)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"layer_norm: epsilon must be a positive finite Python float, got {bad}"):
+            layer_norm(x, g, b, epsilon=bad)
 
 
 # ---------------------------------------------------------------- GPU

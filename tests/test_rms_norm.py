@@ -192,6 +192,9 @@ def test_bad_inputs():
     for bad in (0.0, -1.0, True):
         with pytest.raises(ValueError, match="rms_norm: epsilon must be a positive"):
             rms_norm(x, g, epsilon=bad)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"rms_norm: epsilon must be a positive finite Python float, got {bad}"):
+            rms_norm(x, g, epsilon=bad)
     for bad in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match="rms_norm: copies must be a Python int from 1 to 4"):
             rms_norm(x, g, copies=bad)

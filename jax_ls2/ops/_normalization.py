@@ -2,6 +2,8 @@
 ``return_input``), the float32 sum of their cotangents, and the option checks."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -27,12 +29,19 @@ def sum_cotangents(cts, has_dsum: bool):
     return dy, (cts[-1] if has_dsum else None)
 
 
+def check_epsilon(op: str, epsilon) -> None:
+    """Checks a norm's epsilon: a finite positive Python number, not a bool (an infinite
+    one would turn every output into zeros, or into beta)."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) \
+            or not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"{op}: epsilon must be a positive finite Python float, got {epsilon!r}")
+
+
 def check_options(op: str, *, epsilon, copies, return_input, residual) -> None:
-    """Checks a norm's epsilon (a positive Python number, not a bool), ``copies`` (1 to
-    MAX_COPIES) and ``return_input`` (a bool), and that neither of the last two is asked
-    for with ``residual``."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
+    """Checks a norm's epsilon (`check_epsilon`), ``copies`` (1 to MAX_COPIES) and
+    ``return_input`` (a bool), and that neither of the last two is asked for with
+    ``residual``."""
+    check_epsilon(op, epsilon)
     if not isinstance(return_input, bool):
         raise TypeError(f"{op}: return_input must be a Python bool, got {type(return_input).__name__}")
     if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_COPIES:

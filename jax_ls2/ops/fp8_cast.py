@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import COLS, MAX, PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
-from jax_ls2.ops import _checks
+from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
 from jax_ls2.ops.dropout import _ACT_CODE, ACTIVATIONS, _act, _act_grad
 from jax_ls2.ops.layer_norm import _BWD as _LAYER_NORM_BWD, _stats
@@ -197,8 +197,7 @@ def layer_norm_fp8(x, gamma, beta, scale, *, fp8_dtype=jnp.float8_e4m3fn, epsilo
         _checks.check_shape(op, name, p, (h,))
     _check_scale(op, scale)
     dt = _check_fp8_dtype(op, fp8_dtype)
-    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
+    _normalization.check_epsilon(op, epsilon)
     x, gamma, beta, scale = _grad_free(op, *match_varying(x, gamma.astype(x.dtype), beta.astype(x.dtype), scale))
     return _LN_FP8(x, gamma, beta, scale, eps=float(epsilon), fp8_dtype=dt)
 
