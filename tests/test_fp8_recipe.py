@@ -31,12 +31,23 @@ def test_recipe_is_frozen_hashable_and_picks_formats():
     ({"fp8_format": "e5m2"}, "fp8_format"), ({"fp8_format": "HYBRID "}, "fp8_format"),
     ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"amax_history_len": 0}, "amax_history_len"),
     ({"amax_history_len": 2.0}, "amax_history_len"), ({"margin": -1}, "margin"), ({"margin": 0.5}, "margin"),
+    ({"margin": 127}, "margin"), ({"margin": 200}, "margin"), ({"margin": float("inf")}, "margin"),
     ({"reduce_amax": 1}, "reduce_amax"),
 ])
 def test_recipe_rejects_bad_arguments(kwargs, arg):
     (value,) = kwargs.values()
     with pytest.raises(ValueError, match=rf"DelayedScaling: {arg} must be .*got {value!r}".replace("(", r"\(")):
         fp8.DelayedScaling(**kwargs)
+
+
+def test_largest_margin_keeps_finite_nonzero_scales():
+    """margin=MAX_MARGIN (126) is accepted and its 2**margin divides to non-zero
+    scales, in eager code and under jit."""
+    r = fp8.DelayedScaling(margin=fp8.recipe.MAX_MARGIN)
+    assert r.margin == 126
+    args = (jnp.ones((3,)), jnp.ones((3,)), r.operand_fp8_max())
+    for scale in (r.compute_scale(*args), jax.jit(r.compute_scale)(*args)):
+        assert bool(jnp.all(jnp.isfinite(scale) & (scale > 0)))
 
 
 def _hand_step(history, scale, observed, *, algo, margin, maxes):

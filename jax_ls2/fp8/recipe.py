@@ -16,6 +16,11 @@ NUM_OPERANDS = 3
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 
+# The largest margin for which 2**margin and 2**-margin are both normal float32 values:
+# 2**128 is inf (every scale becomes 0), and at 127 XLA divides by multiplying with the
+# subnormal 2**-127, which flushes to zero with the same result.
+MAX_MARGIN = -int(jnp.finfo(jnp.float32).minexp)
+
 
 def fp8_max(dtype) -> float:
     """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
@@ -34,7 +39,8 @@ class DelayedScaling:
     the scale is float32's largest value.
 
     Args:
-      margin: a non-negative int; each scale is divided by ``2**margin``.
+      margin: an int from 0 to `MAX_MARGIN` (126, so that ``2**margin`` and its
+        reciprocal are normal float32 values); each scale is divided by ``2**margin``.
       fp8_format: ``"hybrid"`` (E4M3 for inputs and weights in the forward, E5M2 for
         output gradients in the backward) or ``"e4m3"`` (E4M3 everywhere).
       amax_history_len: entries kept per operand, at least 1.
@@ -53,8 +59,9 @@ class DelayedScaling:
         def bad(arg, expected, got):
             raise ValueError(f"DelayedScaling: {arg} must be {expected}, got {got!r}")
 
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            bad("margin", "a non-negative int", self.margin)
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) \
+                or not 0 <= self.margin <= MAX_MARGIN:
+            bad("margin", f"an int from 0 to {MAX_MARGIN} (2**margin a normal float32)", self.margin)
         if self.fp8_format not in FORMATS:
             bad("fp8_format", f"one of {FORMATS}", self.fp8_format)
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
