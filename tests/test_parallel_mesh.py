@@ -1,4 +1,6 @@
 """jax_ls2.parallel.make_mesh / parse_mesh_spec on the 8 simulated CPU devices (see conftest)."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -84,3 +86,11 @@ def test_bad_specs_name_what_to_change(spec, error, words):
 def test_empty_device_list():
     with pytest.raises(ValueError, match="make_mesh: devices is empty"):
         parallel.make_mesh("", devices=[])
+
+
+def test_a_device_given_twice_is_named():
+    d0, d1 = jax.devices()[:2]
+    with pytest.raises(ValueError, match=rf"make_mesh: devices must be distinct, got {re.escape(repr(d0))} \(2 times\)$"):
+        parallel.make_mesh("data=2", devices=[d0, d0])
+    with pytest.raises(ValueError, match=rf"got {re.escape(repr(d1))} \(3 times\)$"):
+        parallel.make_mesh("data=4", devices=[d1, d0, d1, d1])

@@ -26,6 +26,7 @@ shardings become part of every array's type; the fused optimizer rejects such me
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Mapping
 
@@ -139,14 +140,18 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> M
       on one host whenever ``t`` divides the per-host device count.
 
     Raises:
-      ValueError: a bad spec (see `parse_mesh_spec`), or sizes whose product is not the
-        number of devices (the message gives the product, the device count, and the
-        size the ``data`` axis would need).
+      ValueError: a bad spec (see `parse_mesh_spec`), a device given more than once,
+        or sizes whose product is not the number of devices (the message gives the
+        product, the device count, and the size the ``data`` axis would need).
     """
     sizes = parse_mesh_spec(spec)
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty")
+    repeated = [(d, n) for d, n in collections.Counter(devices).items() if n > 1]
+    if repeated:
+        listed = ", ".join(f"{d!r} ({n} times)" for d, n in repeated)
+        raise ValueError(f"make_mesh: devices must be distinct, got {listed}")
     shape = tuple(sizes[a] for a in AXES)
     product, count = math.prod(shape), len(devices)
     if product != count:
