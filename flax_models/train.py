@@ -13,8 +13,9 @@ prints the speedup (the ratio of the two median step times) and the loss differe
 (``jax_ls2.fp8.DelayedScaling``; the run is named "ls2-fp8"); with ``--compare`` the
 twin is then the same jax_ls2 model without FP8 (named "ls2").
 ``--ckpt-dir`` saves the full state with orbax every ``--save-every`` steps, with a
-checksum of its arrays; ``--resume`` continues from the latest checkpoint bit for bit
-and refuses a checkpoint that is corrupted or belongs to another model. ``--metrics``
+checksum of its arrays and one of its metadata; ``--resume`` continues from the latest
+checkpoint bit for bit and refuses a checkpoint that is corrupted (its step included) or
+belongs to another model. ``--metrics``
 (by default ``<ckpt-dir>/metrics.jsonl`` when there is a ``--ckpt-dir``) writes one JSON
 line per step, evaluation and run; ``python -m flax_models.plot FILE... -o loss.png``
 draws loss and throughput from them.

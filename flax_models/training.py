@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 
 import jax
@@ -271,8 +272,8 @@ def make_eval_step(graphdef):
 # ---------------------------------------------------------------------------- checkpoints
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored into the given state: written for another
-    model (other arrays), corrupted (checksum mismatch or unreadable), or without the
-    metadata this module writes."""
+    model (other arrays), corrupted (checksum mismatch, a step its optimizer state does
+    not count, or unreadable), or without the metadata this module writes."""
 
 
 def _flat(state):
@@ -299,6 +300,35 @@ def checksum(arrays) -> str:
     return h.hexdigest()
 
 
+def metadata_checksum(meta: dict) -> str:
+    """SHA-256 (hex) over the checkpoint metadata's fields, all but the two checksums
+    (``sha256`` is checked against the arrays), as JSON with sorted keys."""
+    fields = {k: v for k, v in meta.items() if k not in ("sha256", "meta_sha256")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _optimizer_steps(state) -> list:
+    """[path, count] of the update counter (the ``step`` OptState) of every
+    ``nnx.Optimizer`` in ``state``: the training step a checkpoint of it is saved at."""
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    return [[jax.tree_util.keystr(path), int(to_host(v.get_value()))] for path, v in found
+            if isinstance(v, nnx.OptState) and getattr(path[-1], "key", None) == "step"]
+
+
+def _step_mismatch(state, step: int) -> str | None:
+    """Why ``step`` is not the step of ``state``'s optimizer, or None when it is (or the
+    state has no ``nnx.Optimizer``)."""
+    for path, count in _optimizer_steps(state):
+        if count != step:
+            return f"the optimizer state {path} counts {count} updates, not {step}"
+    return None
+
+
+def _metadata_file(directory: str, step: int) -> str:
+    """Where orbax keeps the metadata of the checkpoint of ``step`` (see `_manager`)."""
+    return os.path.join(os.path.abspath(directory), str(step), "meta", "metadata")
+
+
 def _manager(directory: str, **kw):
     import orbax.checkpoint as ocp  # noqa: PLC0415
     return ocp.CheckpointManager(
@@ -309,13 +339,20 @@ def _manager(directory: str, **kw):
 def save_checkpoint(directory: str, step: int, state, model: str = "", optimizer_layout: str = "") -> None:
     """Save the full training state at ``step`` under ``directory`` (orbax, keeps 2), with
     metadata: the step, ``model`` (a description for error messages), each array's path,
-    shape and dtype, the arrays' `checksum`, and ``optimizer_layout`` (`optimizer_layout`
-    of the state: "" for the standard layout). Arrays sharded over a mesh are written
-    shard by shard (every process calls this)."""
+    shape and dtype, the arrays' `checksum`, ``optimizer_layout`` (`optimizer_layout`
+    of the state: "" for the standard layout) and the `metadata_checksum` of these.
+    Arrays sharded over a mesh are written shard by shard (every process calls this).
+
+    Raises ValueError when the state holds an ``nnx.Optimizer`` that has not made
+    ``step`` updates (a checkpoint `restore_checkpoint` would refuse)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
+    why = _step_mismatch(state, int(step))
+    if why:
+        raise ValueError(f"save_checkpoint: step is {step}, but {why}")
     arrays, _, _ = _flat(state)
     meta = {"step": int(step), "model": model, "arrays": _layout(state), "sha256": checksum(arrays.values()),
             "optimizer_layout": optimizer_layout}
+    meta["meta_sha256"] = metadata_checksum(meta)
     with _manager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mngr:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                 meta=ocp.args.JsonSave(meta)))
@@ -364,8 +401,10 @@ def restore_checkpoint(directory: str, template, step: int | None = None, optimi
 
     Raises FileNotFoundError without a checkpoint, and `CheckpointError` when the
     checkpoint's arrays are not the template's (another model), its optimizer state is
-    split otherwise than ``optimizer_layout`` says, or their checksum differs from the
-    one saved with them (corrupted)."""
+    split otherwise than ``optimizer_layout`` says, or it is corrupted: its metadata's
+    or arrays' checksum differs from the one saved with them, or the step in its
+    metadata is not the one it is stored under or not its optimizer state's count of
+    updates."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     arrays, treedef, is_key = _flat(template)
     # restored onto the template's shardings, so a step compiled for the template runs as is
@@ -381,6 +420,17 @@ def restore_checkpoint(directory: str, template, step: int | None = None, optimi
         except Exception as e:  # noqa: BLE001 (any failure to read it is reported as such)
             raise CheckpointError(f"{where} has no readable metadata (not written by "
                                   f"flax_models.training, or corrupted): {e}") from e
+        meta_file = _metadata_file(directory, step)
+        if "meta_sha256" not in meta:
+            raise CheckpointError(f"{where} has no metadata checksum in {meta_file} (not written by "
+                                  "flax_models.training, or by a version before it had one)")
+        found = metadata_checksum(meta)
+        if found != meta["meta_sha256"]:
+            raise CheckpointError(f"{where} is corrupted: the SHA-256 of its metadata {meta_file} is {found}, "
+                                  f"the one saved in it {meta['meta_sha256']}")
+        if meta.get("step") != step:
+            raise CheckpointError(f"{where} is corrupted: its metadata {meta_file} gives step "
+                                  f"{meta.get('step')!r}")
         # the layout first: another split changes the flat buffers' padded lengths
         saved = meta.get("optimizer_layout", "")
         if saved != optimizer_layout:
@@ -400,4 +450,8 @@ def restore_checkpoint(directory: str, template, step: int | None = None, optimi
         raise CheckpointError(f"{where} is corrupted: the arrays' SHA-256 is {found}, the one "
                               f"saved with them {meta['sha256']}")
     leaves = [jax.random.wrap_key_data(l) if k else l for l, k in zip(leaves, is_key)]
-    return jax.tree.unflatten(treedef, leaves), int(meta["step"])
+    state = jax.tree.unflatten(treedef, leaves)
+    why = _step_mismatch(state, step)
+    if why:
+        raise CheckpointError(f"{where} is corrupted: its metadata {meta_file} gives step {step}, but {why}")
+    return state, step

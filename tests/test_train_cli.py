@@ -253,6 +253,55 @@ def test_checksum_mismatch_is_refused(compare_run, tmp_path):
                      r"them 0{64}", msg), msg
 
 
+def _edit_metadata(copy, stored_as, *, recompute_checksum, **fields):
+    """Sets ``fields`` in the metadata of ``copy``'s checkpoint stored as step ``stored_as``;
+    returns the file."""
+    meta_file = os.path.join(copy, str(stored_as), "meta", "metadata")
+    meta = json.load(open(meta_file))
+    meta.update(fields)
+    if recompute_checksum:
+        meta["meta_sha256"] = training.metadata_checksum(meta)
+    json.dump(meta, open(meta_file, "w"))
+    return meta_file
+
+
+def test_edited_metadata_step_is_refused(compare_run, tmp_path):
+    _, _, _, ckpt = compare_run
+    copy = _copy(ckpt, tmp_path)
+    meta_file = _edit_metadata(copy, 4, recompute_checksum=False, step=6)
+    msg = _resume_error(TINY + ["--steps", "8", "--ckpt-dir", copy, "--resume", "--quiet"])
+    assert re.search(rf"the checkpoint of step 4 under \S+ is corrupted: the SHA-256 of its metadata "
+                     rf"{re.escape(meta_file)} is [0-9a-f]{{64}}, the one saved in it [0-9a-f]{{64}}", msg), msg
+
+
+def test_edited_step_with_its_checksum_redone_is_refused(compare_run, tmp_path):
+    _, _, _, ckpt = compare_run
+    copy = _copy(ckpt, tmp_path)
+    meta_file = _edit_metadata(copy, 4, recompute_checksum=True, step=6)
+    msg = _resume_error(TINY + ["--steps", "8", "--ckpt-dir", copy, "--resume", "--quiet"])
+    assert re.search(rf"the checkpoint of step 4 under \S+ is corrupted: its metadata {re.escape(meta_file)} "
+                     r"gives step 6$", msg), msg
+
+
+def test_step_its_optimizer_did_not_count_is_refused(compare_run, tmp_path):
+    _, _, _, ckpt = compare_run
+    copy = _copy(ckpt, tmp_path)
+    shutil.move(os.path.join(copy, "2"), os.path.join(copy, "6"))  # the step-2 state, stored as step 6
+    meta_file = _edit_metadata(copy, 6, recompute_checksum=True, step=6)
+    msg = _resume_error(TINY + ["--steps", "8", "--ckpt-dir", copy, "--resume", "--quiet"])
+    assert re.search(rf"the checkpoint of step 6 under \S+ is corrupted: its metadata {re.escape(meta_file)} "
+                     r"gives step 6, but the optimizer state \[1\]\['step'\] counts 2 updates, not 6", msg), msg
+
+
+def test_saving_a_step_the_optimizer_did_not_count_is_refused(tmp_path):
+    tx, _ = training.make_optimizer(1e-3, 3, 1)
+    _, state = training.create(fm.get_config("gpt", "tiny"), impl="ls2", dtype=None, seed=0, tx=tx)
+    with pytest.raises(ValueError, match=r"save_checkpoint: step is 3, but the optimizer state "
+                                         r"\[1\]\['step'\] counts 0 updates, not 3"):
+        training.save_checkpoint(str(tmp_path / "ckpt"), 3, state)
+    assert not (tmp_path / "ckpt").exists()
+
+
 # ---------------------------------------------------------------------------- usage
 @pytest.mark.parametrize("extra, message", [
     (["--steps", "0"], "--steps must be at least 1, got 0"),
