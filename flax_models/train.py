@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
            "print the speedup and the loss difference (default: off)")
     a("--steps", type=int, default=100, help="training steps, at least 1 (default: 100)")
     a("--batch", type=int, help=f"sequences (images) per batch (default: per preset: {sizes})")
-    a("--seq", type=int, help=f"tokens per sequence (default: per preset: {seqs}; vit: its "
-                              "patches)")
+    a("--seq", type=int, help=f"tokens per sequence; not for vit, which takes images "
+                              f"(default: per preset: {seqs})")
     a("--max-len", type=int,
       help="the model's longest sequence (the size of learned position tables), to train on "
            "sequences longer than the preset's (default: the preset's)")
@@ -173,6 +173,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             p.error(f"--{flag} must be at least 1, got {v}")
+    if args.seq is not None and args.model == "vit":
+        p.error(f"--seq applies to token sequences; vit takes images (their size and patches come from "
+                f"--preset {args.preset}), got --seq {args.seq}")
     if not math.isfinite(args.lr) or args.lr < 0:
         p.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.warmup < 0:

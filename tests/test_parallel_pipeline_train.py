@@ -72,6 +72,8 @@ def test_pipeline_usage_errors(capsys, extra, message):
     if "--model" in extra:
         argv[1] = extra[1]
         extra = extra[2:]
+    if argv[1] == "vit":  # vit takes images: --seq is a usage error of its own
+        del argv[argv.index("--seq"):argv.index("--seq") + 2]
     with pytest.raises(SystemExit) as e:
         T.main(argv + extra)
     assert e.value.code == 2

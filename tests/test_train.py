@@ -44,7 +44,8 @@ def _initial_model(family, seed):
 
 
 def _converge(family, steps, dtype="float32", dropout=0.0, batch=4):
-    argv = ["--model", family, "--steps", str(steps), "--batch", str(batch), "--seq", "32",
+    seq = [] if family == "vit" else ["--seq", "32"]  # vit takes images
+    argv = ["--model", family, "--steps", str(steps), "--batch", str(batch), *seq,
             "--dtype", dtype, "--dropout", str(dropout), "--optimizer", "optax"]
     args, cfg, _, _ = _run(argv)
     init = _initial_model(family, args.seed)

@@ -331,6 +331,7 @@ def test_saving_a_step_the_optimizer_did_not_count_is_refused(tmp_path):
     (["--zero1"], "--zero1 needs --mesh"),
     (["--mesh", "data=8", "--zero1", "--optimizer", "optax"], "--zero1 needs the fused optimizer"),
     (["--model", "vit", "--mesh", "data=4,tensor=2"], "vit cannot be split over the tensor axis"),
+    (["--model", "vit", "--seq", "16"], "--seq applies to token sequences; vit takes images"),
 ])
 def test_usage_errors_before_any_training(monkeypatch, capsys, extra, message):
     monkeypatch.setattr(T, "train", lambda *a, **k: pytest.fail("training started"))
