@@ -20,6 +20,10 @@ Environment:
   JAX_LS2_CUDA_ARCHS   semicolon/comma separated compute capabilities, e.g. "90" or "80;90"
                        (default: those of the GPUs nvidia-smi lists, else "80;90"); the
                        newest also goes in as PTX, so later GPUs can JIT it
+  JAX_LS2_PTX_ONLY     "1" to embed PTX alone, no machine code: every source still goes
+                       through nvcc's front end, but ptxas never runs (about half the
+                       compile time; CI, which runs no kernel, builds so). A GPU then
+                       compiles the PTX when the module loads, which is slow: not for use.
   JAX_LS2_BUILD_JOBS   parallel nvcc processes (default: CPU count)
   NVCC                 the nvcc to use (default: found on PATH or in $CUDA_HOME/bin)
 
@@ -99,6 +103,8 @@ def _archs():
 
 
 def _gencode(archs):
+    if _env_flag("JAX_LS2_PTX_ONLY"):
+        return [f"-gencode=arch=compute_{a},code=compute_{a}" for a in archs]
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # PTX of the newest arch so later GPUs can JIT it (the same compile as its SASS).
     flags += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
