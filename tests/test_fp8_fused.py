@@ -131,6 +131,10 @@ def test_bad_input_names_the_op():
         fused.layernorm_fp8_dot(x, gamma[:4], beta, w1, m, RECIPE)
     with pytest.raises(ValueError, match="layernorm_fp8_dot: x's last dim"):
         fused.layernorm_fp8_dot(x, gamma, beta, w1.T, m, RECIPE)
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"layernorm_fp8_dot: epsilon must be a positive finite Python float, "
+                                             f"got {bad}"):
+            fused.layernorm_fp8_dot(x, gamma, beta, w1, m, RECIPE, epsilon=bad)
 
 
 # A quantization: a convert to FP8 (XLA's casts and the references of the fused casts) or

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import match_varying
+from jax_ls2.ops._normalization import check_epsilon
 from jax_ls2.fp8.dot import (_backward_gemms, _check_splits, _first_order_only, _joined, _mesh_max, _prepare,
                               _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight_copies)
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
@@ -87,8 +88,7 @@ def _check_ln(op, x, gamma, beta, epsilon):
         if not hasattr(p, "shape") or tuple(p.shape) != (x.shape[-1],):
             raise ValueError(f"{op}: {name} must have shape ({x.shape[-1]},), got "
                              f"{tuple(getattr(p, 'shape', ()))}")
-    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"{op}: epsilon must be a positive Python float, got {epsilon!r}")
+    check_epsilon(op, epsilon)
 
 
 def _ln_backward(dh, dx_other, x, gamma, mean, rstd):
