@@ -72,3 +72,12 @@ def assert_bf16_close(a, b, ulps: int = 1, floor: float = 2.0 ** -16):
     floor * max|b| where a sum in another order meets cancellation (a - b near 0)."""
     a, b = f64(a), f64(b)
     np.testing.assert_allclose(a, b, rtol=ulps * 2.0 ** -7, atol=floor * max(np.abs(b).max(), 1e-30))
+
+
+def xla_flags_with_devices(n: int) -> str:
+    """This process's XLA_FLAGS (the conftest's, e.g. its CPU code-generation level) with
+    `n` simulated host devices instead of 8: for the tests' subprocesses."""
+    import os
+    import re
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()

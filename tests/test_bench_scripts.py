@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from numerics import xla_flags_with_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,7 +137,7 @@ def test_bench_models_csv_has_speedup_and_peak_memory_over_the_twin(tmp_path):
 @pytest.mark.slow
 def test_bench_scaling_smoke_runs_every_mesh_of_four_devices(tmp_path, capsys):
     """GPT only (BERT takes the same path but for the seq mesh; each mesh is a process)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4))
     proc = subprocess.run([sys.executable, "-m", "bench.bench_scaling", "--smoke", "--steps", "2", "--warmup", "1",
                            "--group", "1", "--models", "gpt2-small", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=900, env=env)
@@ -184,7 +185,7 @@ def test_bench_scaling_mesh_list_follows_the_device_count():
 
 
 def test_bench_sequence_memory_smoke_brackets_each_search(tmp_path, capsys):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "bench.bench_sequence_memory", "--smoke", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

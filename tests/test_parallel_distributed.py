@@ -14,6 +14,7 @@ import pytest
 
 from jax_ls2 import parallel
 from jax_ls2.parallel import distributed
+from numerics import xla_flags_with_devices
 
 _ALL_VARS = (distributed.ENV_COORDINATOR_ADDRESS, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
              *distributed.CLUSTER_PROCESS_COUNTS)
@@ -137,7 +138,7 @@ def test_two_processes_compute_over_one_mesh():
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items() if k not in _ALL_VARS}
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+        env.update(XLA_FLAGS=xla_flags_with_devices(2), JAX_PLATFORMS="cpu",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -177,7 +178,7 @@ def _launch(argv_of, devices_each: int = 2, timeout: int = 240) -> list:
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items() if k not in _ALL_VARS}
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu",
+        env.update(XLA_FLAGS=xla_flags_with_devices(devices_each), JAX_PLATFORMS="cpu",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen(argv_of(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))

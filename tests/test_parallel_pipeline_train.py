@@ -13,6 +13,7 @@ from flax import nnx
 from flax_models import train as T
 from flax_models.pipeline import PipelinedEncoder
 from train_runs import printed_losses, run_main as _main
+from numerics import xla_flags_with_devices
 
 RUN = ["--model", "gpt", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3", "--dropout", "0.1",
        "--eval-every", "0", "--log-every", "1"]
@@ -48,7 +49,7 @@ def test_command_on_a_4d_mesh_of_16_devices():
     together in the stages) prints the one-device losses."""
     run = RUN[:RUN.index("--dropout")] + ["--dropout", "0"] + RUN[RUN.index("--dropout") + 2:]
     _, want_out = _main(run)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(16), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-m", "flax_models.train", *run, "--mesh", "pipe=2,data=2,seq=2,tensor=2"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

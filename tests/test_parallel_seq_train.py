@@ -17,6 +17,7 @@ from flax_models import data, training
 from flax_models import train as T
 from jax_ls2 import parallel
 from train_runs import printed_losses, run_main as _main
+from numerics import xla_flags_with_devices
 
 # the ring runs flash attention blocks, whose dropout masks are the one-device "flash"
 # backend's (not the "fused" ones "auto" picks under dropout on one device)
@@ -49,7 +50,7 @@ def test_command_on_four_devices_with_seq_4(one_device_run, tmp_path):
     """``python -m flax_models.train ... --mesh seq=4`` in a process of 4 CPU devices,
     evaluating on held-out data as it goes."""
     _, want_out = one_device_run
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-m", "flax_models.train", *RUN, "--mesh", "seq=4", "--eval-every", "3",
                            "--eval-batches", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

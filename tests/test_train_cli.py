@@ -19,6 +19,7 @@ import jax_ls2.optim
 from flax_models import data, metrics, plot, training
 from flax_models import train as T
 from train_runs import printed_losses, run_main as _main
+from numerics import xla_flags_with_devices
 
 
 def test_make_optimizer_raises_instead_of_falling_back(monkeypatch):
@@ -415,7 +416,7 @@ def test_data_mesh_with_zero1_prints_the_same_losses(one_device_run):
 def test_command_on_two_devices_prints_the_same_losses(one_device_run, tmp_path):
     """``python -m flax_models.train ... --mesh data=2`` in a process of 2 CPU devices."""
     want, want_out = one_device_run
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2), JAX_PLATFORMS="cpu")
     metrics_file = str(tmp_path / "metrics.jsonl")
     done = subprocess.run([sys.executable, "-m", "flax_models.train", *MESH_RUN, "--mesh", "data=2",
                            "--metrics", metrics_file], env=env, capture_output=True, text=True, timeout=300)
