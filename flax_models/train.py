@@ -598,7 +598,8 @@ def main(argv=None):
     twin = "ls2" if args.fp8 else ("plain" if args.impl == "ls2" else "ls2")
     impls = [args.impl] + ([twin] if args.compare and twin != args.impl else [])
     fp8_text = f", FP8 GEMMs ({cfg.fp8})" if cfg.fp8 is not None else ""
-    print(f"{cfg.family}/{args.preset}: batch {batch_size} x {seq}, {args.dtype}{fp8_text}, "
+    per_example = (f"{cfg.image_size}x{cfg.image_size} images" if cfg.family == "vit" else f"{seq}")
+    print(f"{cfg.family}/{args.preset}: batch {batch_size} x {per_example}, {args.dtype}{fp8_text}, "
           f"{args.steps} steps on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"{describe_mesh(mesh)}",
           flush=True)

@@ -439,3 +439,9 @@ def test_tensor_and_sequence_parallel_mesh_prints_the_same_losses(one_device_run
     model, _ = nnx.merge(got["graphdef"], got["state"])
     kernel = model.decoder.layers[0].attn.qkv.kernel.get_value()
     assert "tensor" in str(kernel.sharding.spec)  # split, and kept split by the optimizer
+
+
+def test_vit_header_names_its_images_not_a_sequence_length():
+    _, out = _main(["--model", "vit", "--steps", "1", "--batch", "2", "--eval-every", "0"])
+    header = out.splitlines()[0]
+    assert header.startswith("vit/tiny: batch 2 x 32x32 images,"), header
