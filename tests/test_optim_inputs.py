@@ -81,6 +81,33 @@ def test_constant_learning_rate_and_weight_decay_must_be_finite_and_non_negative
         make(value)
 
 
+@pytest.mark.parametrize("make,argument,value", [
+    (lambda v: optim.adamw(v), "learning_rate", "1e-3"),
+    (lambda v: optim.adam(v), "learning_rate", None),
+    (lambda v: optim.sgd(v), "learning_rate", [1e-3]),
+    (lambda v: optim.adamw(1e-3, b1=v), "b1", "0.9"),
+    (lambda v: optim.adamw(1e-3, eps=v), "eps", True),
+    (lambda v: optim.sgd(1e-3, momentum=v), "b1", "0.9"),
+    (lambda v: optim.adamw(1e-3, weight_decay=v), "weight_decay", jnp.array([1 + 1j])),
+])
+def test_hyper_parameters_of_another_type_are_named_at_construction(make, argument, value):
+    with pytest.raises(TypeError, match=rf"^\w+: {argument} must be a (real )?number"):
+        make(value)
+
+
+@pytest.mark.parametrize("factory", [optim.adam, optim.adamw])
+@pytest.mark.parametrize("argument,value", [("b1", 1.0), ("b2", 1.0), ("b1", NAN), ("b2", -0.1)])
+def test_adam_betas_outside_zero_to_one_are_refused(factory, argument, value):
+    with pytest.raises(ValueError, match=rf"^{factory.__name__}: {argument} must be a number in \[0, 1\), got "):
+        factory(1e-3, **{argument: value})
+
+
+def test_sound_hyper_parameters_of_every_kind_are_taken():
+    optim.adamw(optax.linear_schedule(1e-3, 0.0, 10), b1=0.0, b2=np.float32(0.99), eps=jnp.float32(1e-6))
+    optim.adam(jnp.asarray(1e-3))
+    optim.sgd(1, momentum=0.9)
+
+
 # ---------------------------------------------------------------- traced learning rate, checked on the device
 def _jitted_step(tx, params):
     @jax.jit

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax_ls2.optim import _abi as A
@@ -99,9 +100,31 @@ def _check(cfg: Config) -> None:
     cfg.options.check(fn)
     if cfg.mask is not None and cfg.weight_decay is None:
         raise ValueError(f"{fn}: mask given without weight_decay")
+    for argument in ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay"):
+        _check_number_like(fn, argument, getattr(cfg, argument), schedule=argument == "learning_rate")
     # Numbers known now; traced values are checked in the step (`_traced_rates_ok`).
     for argument in ("learning_rate", "weight_decay"):
         require(fn, argument, getattr(cfg, argument), NON_NEGATIVE, _non_negative)
+    if cfg.algo == A.ADAM:
+        # b = 1 never forgets (the bias correction divides by 1 - b**t = 0): NaN params.
+        for argument in ("b1", "b2"):
+            require(fn, argument, getattr(cfg, argument), "a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def _check_number_like(fn: str, argument: str, value, *, schedule: bool) -> None:
+    """TypeError unless `value` is a real number, an array (concrete or traced) or, for a
+    `schedule` argument, a callable; None is allowed where the factory's default is None
+    (every argument here but the learning rate)."""
+    if value is None and not schedule:
+        return
+    if isinstance(value, (bool, np.bool_)) or not (
+            isinstance(value, (int, float, np.number, np.ndarray, jax.Array, jax.core.Tracer))
+            or (schedule and callable(value))):
+        what = "a number, a scalar array or a schedule (count -> value)" if schedule else "a number or a scalar array"
+        raise TypeError(f"{fn}: {argument} must be {what}, got {type(value).__name__} {value!r}")
+    if isinstance(value, (np.ndarray, jax.Array)) and (jnp.iscomplexobj(value)
+                                                       or not jnp.issubdtype(value.dtype, jnp.number)):
+        raise TypeError(f"{fn}: {argument} must be a real number, got an array of {value.dtype}")
 
 
 NON_NEGATIVE = "a finite number >= 0"
