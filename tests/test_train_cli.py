@@ -266,22 +266,19 @@ def _edit_metadata(copy, stored_as, *, recompute_checksum, **fields):
     return meta_file
 
 
-def test_edited_metadata_step_is_refused(compare_run, tmp_path):
+@pytest.mark.parametrize("recompute_checksum, expected", [
+    # the metadata edited alone: its checksum no longer matches
+    (False, r"the checkpoint of step 4 under \S+ is corrupted: the SHA-256 of its metadata {meta} is "
+            r"[0-9a-f]{{64}}, the one saved in it [0-9a-f]{{64}}"),
+    # the checksum redone too: the step disagrees with the directory it is stored under
+    (True, r"the checkpoint of step 4 under \S+ is corrupted: its metadata {meta} gives step 6$"),
+], ids=["edited", "edited-with-its-checksum-redone"])
+def test_edited_metadata_step_is_refused(compare_run, tmp_path, recompute_checksum, expected):
     _, _, _, ckpt = compare_run
     copy = _copy(ckpt, tmp_path)
-    meta_file = _edit_metadata(copy, 4, recompute_checksum=False, step=6)
+    meta_file = _edit_metadata(copy, 4, recompute_checksum=recompute_checksum, step=6)
     msg = _resume_error(TINY + ["--steps", "8", "--ckpt-dir", copy, "--resume", "--quiet"])
-    assert re.search(rf"the checkpoint of step 4 under \S+ is corrupted: the SHA-256 of its metadata "
-                     rf"{re.escape(meta_file)} is [0-9a-f]{{64}}, the one saved in it [0-9a-f]{{64}}", msg), msg
-
-
-def test_edited_step_with_its_checksum_redone_is_refused(compare_run, tmp_path):
-    _, _, _, ckpt = compare_run
-    copy = _copy(ckpt, tmp_path)
-    meta_file = _edit_metadata(copy, 4, recompute_checksum=True, step=6)
-    msg = _resume_error(TINY + ["--steps", "8", "--ckpt-dir", copy, "--resume", "--quiet"])
-    assert re.search(rf"the checkpoint of step 4 under \S+ is corrupted: its metadata {re.escape(meta_file)} "
-                     r"gives step 6$", msg), msg
+    assert re.search(expected.format(meta=re.escape(meta_file)), msg), msg
 
 
 def test_step_its_optimizer_did_not_count_is_refused(compare_run, tmp_path):
