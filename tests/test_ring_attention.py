@@ -192,6 +192,7 @@ def test_overlap_report_on_cpu_counts_the_sync_permutes(mesh, data):
 
 # ---------------------------------------------------------------- emulated ring (vmap)
 @pytest.mark.parametrize("impl", ra.IMPLS)
+@pytest.mark.optimized_cpu_code
 def test_ring_under_vmap_emulates_the_devices(data, impl):
     """The ring over the vmapped axis (the benchmark's one-device emulation): with
     dropout, zigzag, causal, against single-device attention."""
