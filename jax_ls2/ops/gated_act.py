@@ -36,7 +36,17 @@ _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 # ---------------------------------------------------------------- reference math
 def _act_and_grad(v, activation):
-    """act(v) and act'(v) in float32."""
+    """act(v) and act'(v) in float32; at v = +-inf their limits (act(-inf) = 0, act(inf) =
+    inf, act' 0 and 1), where the formulas would give inf * 0 = NaN."""
+    act, grad = _act_and_grad_finite(v, activation)
+    inf = jnp.isinf(v)
+    pos = v > 0
+    act = jnp.where(inf, jnp.where(pos, v, jnp.zeros((), v.dtype)), act)
+    grad = jnp.where(inf, pos.astype(v.dtype), grad)
+    return act, grad
+
+
+def _act_and_grad_finite(v, activation):
     one, half = np.float32(1), np.float32(0.5)
     if activation == "swiglu":
         sig = jax.nn.sigmoid(v)
