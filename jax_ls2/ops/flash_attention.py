@@ -133,7 +133,8 @@ def _fwd_reference(q, k, v, bias, q_seg, kv_seg, seed, *, scale, causal, thresho
     m = jnp.max(s, axis=-1)
     m = jnp.where(jnp.isneginf(m), jnp.zeros((), s.dtype), m)
     total = jnp.sum(jnp.exp(s - m[..., None]), axis=-1)
-    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
+    # total == 0: no attended key (lse -inf); a NaN total (a NaN logit) keeps lse NaN.
+    lse = jnp.where(total == 0, -jnp.inf, m + jnp.log(jnp.where(total == 0, 1, total)))
     p = _dropped(_probs(s, lse), seed, q.shape, threshold=threshold, keep_scale=keep_scale, q_total=q_total,
                  kv_total=kv_total)
     groups = q.shape[2] // k.shape[2]
