@@ -44,6 +44,7 @@ import numpy as np
 
 from jax_ls2 import _dispatch, _ffi, _random
 from jax_ls2._dispatch import BCAST, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -238,7 +239,8 @@ def _forward(q, k, v, bias, q_seg, kv_seg, seed, cfg):
     return _fwd_reference(q, k, v, bias, q_seg, kv_seg, seed, **_static(cfg))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(fused_vjp, nondiff_argnums=(7,), op="flash_attention",
+                   plain="jax.nn.dot_product_attention(q, k, v, implementation='xla')")
 def _flash(q, k, v, bias, q_seg, kv_seg, seed, cfg):
     return _forward(q, k, v, bias, q_seg, kv_seg, seed, cfg)
 

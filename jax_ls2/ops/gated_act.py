@@ -25,6 +25,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
@@ -114,7 +115,8 @@ def _static(num):
     return dict(activation=activation, threshold=threshold, scale=scale, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="gated_act_dropout",
+                   plain='jax.nn.silu(x[..., :f]) * x[..., f:] (jax.nn.gelu for GEGLU)')
 def _gated(x, seed, offsets, num):
     return _FWD(x, seed, offsets, **_static(num))[0]
 

@@ -73,6 +73,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import match_varying
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops.flash_attention import attention_keep_mask, flash_attention, flash_attention_bwd, merge_attention
 from jax_ls2.parallel.tensor import bound_axis_size
@@ -355,7 +356,8 @@ def _flash_backward_rows(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(fused_vjp, nondiff_argnums=(0,), op="ring_attention",
+                   plain='jax.nn.dot_product_attention on the whole sequence (jax.lax.all_gather the chunks)')
 def _flash_ring(cfg, q, k, v, mask, key, first_row):
     return _flash_forward(cfg, q, k, v, mask, key, first_row)[0]
 
@@ -479,7 +481,8 @@ def _rsa_backward(cfg: _Cfg, q, k, v, probs, seed, dout):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(fused_vjp, nondiff_argnums=(0,), op="ring_attention",
+                   plain='jax.nn.dot_product_attention on the whole sequence (jax.lax.all_gather the chunks)')
 def _rsa_ring(cfg, q, k, v, mask, seed):
     return _rsa_forward(cfg, q, k, v, mask, seed)[0]
 
