@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._deprecation import renamed_keywords
 from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
@@ -217,6 +218,7 @@ def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
 _layer_norm_copies.defvjp(_layer_norm_copies_fwd, _layer_norm_copies_bwd, optimize_remat=True)
 
 
+@renamed_keywords("layer_norm", eps="epsilon")  # eps= until 2e8e4ee
 def layer_norm(x, gamma, beta, *, epsilon: float = 1e-5, residual=None, return_input: bool = False,
                copies: int = 1):
     """LayerNorm over the last axis: ``(s - mean) / sqrt(var + epsilon) * gamma + beta``.

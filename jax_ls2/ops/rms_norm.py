@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._deprecation import renamed_keywords
 from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
@@ -144,6 +145,7 @@ _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
+@renamed_keywords("rms_norm", eps="epsilon")  # eps= until 53d525f
 def rms_norm(x, gamma, *, epsilon: float = RMS_EPSILON, residual=None, copies: int = 1, return_input: bool = False,
              unit_offset: bool = False):
     """RMSNorm over the last axis: ``s * rsqrt(mean(s**2) + epsilon) * w``.
