@@ -353,7 +353,9 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
     Returns:
       ``out`` ``(batch, q_len, heads, head_dim)`` in q's dtype, and with
       ``return_lse`` also ``lse`` ``(batch, heads, q_len)`` float32. A query with no
-      attended key (fully masked) gets zeros and ``lse = -inf``, and zero gradients.
+      attended key (fully masked) gets zeros and ``lse = -inf``, and zero gradients; a
+      NaN logit (from a NaN in q, k or the bias) makes the out and lse of its row NaN, as
+      ``jax.nn.logsumexp`` does, never the ``-inf`` of an empty row.
 
     Logits, softmax statistics and accumulation are float32. Kept for the backward:
     q, k, v, out and lse (and the bias, masks and seed); the backward recomputes the

@@ -155,6 +155,8 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
       ``(..., ffn)`` in ``x.dtype``; float32 math in registers, rounded once. The
       backward keeps ``x``, the seed and the offsets: ``dgate = mask * scale * dy * up *
       act'(gate)``, ``dup = mask * scale * dy * act(gate)``, returned concatenated as ``dx``.
+      At ``gate = +-inf`` act and act' take their limits (``act(-inf) = 0``, so a
+      ``-inf`` gate gives 0 and zero gradients, not ``-inf * 0 = NaN``).
     """
     op = "gated_act_dropout"
     _checks.check_array(op, "x", x, min_ndim=1)
