@@ -550,3 +550,16 @@ def test_remat_stack_draws_new_masks_each_call_as_without_remat(stack, lib):
     assert not np.allclose(outs["plain"][0], outs["plain"][1])
     for got, want in zip(outs["remat"], outs["plain"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_renamed_layer_keywords_warn_once_and_work():
+    from numerics import assert_renamed_keyword
+
+    from jax_ls2.nn import kv_cache
+    make = lambda **kw: nn.TransformerEncoderLayer(32, 64, 4, rngs=nnx.Rngs(0), **kw).config
+    cfg = assert_renamed_keyword(lambda: make(layer_norm_eps=1e-3), lambda: make(epsilon=1e-3),
+                                 "TransformerEncoderLayer", "layer_norm_eps", "epsilon")
+    assert cfg.epsilon == 1e-3
+    cache = lambda **kw: kv_cache.new_cache(2, 8, head_dim=4, dtype=jnp.float32, owner="test", **kw)
+    assert_renamed_keyword(lambda: cache(kv_heads=3)[0][...].shape, lambda: cache(num_kv_heads=3)[0][...].shape,
+                           "new_cache", "kv_heads", "num_kv_heads")
