@@ -16,7 +16,7 @@ from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
-from jax_ls2.nn import _ops_compat as ops
+from jax_ls2 import ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
                                 tensor_axis_size)
