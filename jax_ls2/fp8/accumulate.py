@@ -68,7 +68,7 @@ def accumulate_grads(fun, *, fuse_wgrad_accumulation: bool = True, has_aux: bool
       a mean: scale it once per optimizer step) and the meta updates merged by max.
       Jit ``step`` (donate ``acc``) so that the adds share the backward's program.
       ``join_meta(acc.grads, acc.meta)`` is then a gradient tree for
-      `apply_meta_updates` / ``jax_ls2.optim.apply_updates(..., fp8=recipe)``.
+      `apply_meta_updates` / `jax_ls2.fp8.apply_updates(..., fp8=recipe)`.
     """
     if not callable(fun):
         raise TypeError(f"accumulate_grads: fun must be callable, got {type(fun).__name__}")
