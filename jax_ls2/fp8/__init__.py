@@ -26,10 +26,10 @@ averaged or summed). Here the update never reaches an optimizer:
                                                          # roll the history, recompute scales
 
 In a training loop the step helpers here do this, so that ``jax_ls2.optim`` sees
-parameters only: `update_nnx`, `apply_updates` and `accumulate_flat` (with
-`init_flat_accumulator`, `unflatten_flat_grads`) take ``fp8=recipe`` (the last two
-none) and a gradient tree holding the meta updates, and call ``jax_ls2.optim``'s
-functions of the same names on the parameters; for a plain optax loop::
+parameters only: `update_nnx` and `apply_updates` take ``fp8=recipe`` and a gradient
+tree holding the meta updates and call ``jax_ls2.optim``'s functions of the same names
+on the parameters; `init_flat_accumulator`, `accumulate_flat` and `unflatten_flat_grads`
+accumulate such gradients in ``jax_ls2.optim``'s flat buffer. For a plain optax loop::
 
     grads = jax.grad(loss)(variables, batch)               # variables: params and metas
     param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
@@ -107,12 +107,12 @@ overstates the amax); under ``jax.vmap`` with a shared meta the amax is taken ov
 whole mapped batch; under ``shard_map`` pass the mesh axes as ``amax_axes`` so that the
 amaxes are max-reduced (``recipe.reduce_amax``) and every replica keeps identical scales.
 """
-from jax_ls2.fp8.accumulate import GradAccumulator, accumulate_grads, init_grad_accumulator
+from jax_ls2.fp8.accumulate import (GradAccumulator, accumulate_flat, accumulate_grads, init_flat_accumulator,
+                                    init_grad_accumulator, unflatten_flat_grads)
 from jax_ls2.fp8.cache import WeightCaching, cache_weights
 from jax_ls2.fp8.dot import fp8_dot
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
-from jax_ls2.fp8.optimizer import (accumulate_flat, apply_updates, init_flat_accumulator, unflatten_flat_grads,
-                                   update_nnx)
+from jax_ls2.fp8.optimizer import apply_updates, update_nnx
 from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OUTPUT, INPUT, WEIGHT,
                                 DelayedScaling, fp8_max)
 from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies, is_meta, join_meta,

@@ -4,9 +4,9 @@ that ``jax_ls2.optim`` sees parameters only; the metas are stepped by their reci
 
 * `apply_updates` / `update_nnx`: ``jax_ls2.optim``'s fused steps for a pytree or an
   ``nnx.Optimizer``, with the metas stepped once per call.
-* `init_flat_accumulator` / `accumulate_flat` / `unflatten_flat_grads`: the flat
-  float32 gradient buffer of ``jax_ls2.optim.accumulate`` for the parameters, and the
-  micro-batches' meta updates merged by elementwise max in ``FlatGrads.meta``.
+
+Gradient accumulation for such models (the flat buffer of ``jax_ls2.optim`` or
+per-leaf sums) is in `jax_ls2.fp8.accumulate`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import optax
 
 from jax_ls2 import optim
 from jax_ls2.fp8.recipe import DelayedScaling
-from jax_ls2.fp8.state import join_meta, merge_meta_updates, split_meta
-from jax_ls2.fp8.step import apply_meta_updates, count_metas, meta_updates_like
+from jax_ls2.fp8.state import join_meta, split_meta
+from jax_ls2.fp8.step import apply_meta_updates, count_metas
 from jax_ls2.optim.apply import refuse_metas_in_wrt, update_params
 
 
@@ -93,48 +93,4 @@ def update_nnx(optimizer, model, grads, *, fp8=None):
     return finite
 
 
-def _split(tree):
-    """(tree without FP8 metas, the metas or None)."""
-    if not count_metas(tree):
-        return tree, None
-    return split_meta(tree)
-
-
-def init_flat_accumulator(variables) -> optim.FlatGrads:
-    """`jax_ls2.optim.init_accumulator` for ``variables`` (params, with FP8 metas or
-    without): the (total,) float32 zeros of the params' flat layout and, where metas
-    are, their empty (zero) meta updates in ``meta``."""
-    params, metas = _split(variables)
-    acc = optim.init_accumulator(params)
-    return acc if metas is None else acc._replace(meta=meta_updates_like(metas))
-
-
-def accumulate_flat(acc: optim.FlatGrads, grads, scale=1.0) -> optim.FlatGrads:
-    """`jax_ls2.optim.accumulate` for gradients holding FP8 meta updates: the params'
-    gradients added into ``acc.buffer`` (times `scale`), the meta updates merged into
-    ``acc.meta`` by elementwise max, unscaled (observed amaxes, not gradients)."""
-    if not isinstance(acc, optim.FlatGrads):
-        raise TypeError(f"accumulate: acc must be a FlatGrads from init_flat_accumulator, got "
-                        f"{type(acc).__name__}")
-    grads, meta_updates = _split(grads)
-    if (meta_updates is None) != (acc.meta is None):
-        raise ValueError("accumulate: grads " + ("hold FP8 meta updates but acc has no meta (make it with "
-                                                 "init_flat_accumulator from the params and metas together)"
-                                                 if acc.meta is None else
-                                                 "hold no FP8 meta updates but acc.meta expects them "
-                                                 "(differentiate with respect to the metas too)"))
-    summed = optim.accumulate(optim.FlatGrads(acc.buffer), grads, scale)
-    return summed if meta_updates is None else summed._replace(meta=merge_meta_updates(acc.meta, meta_updates))
-
-
-def unflatten_flat_grads(acc: optim.FlatGrads, variables):
-    """The accumulated gradients as a float32 pytree like ``variables``, with
-    ``acc.meta``'s merged meta updates where the metas are."""
-    params, metas = _split(variables)
-    grads = optim.unflatten_grads(acc, params)
-    if metas is None or acc.meta is None:
-        return grads
-    return join_meta(grads, acc.meta)
-
-
-__all__ = ["accumulate_flat", "apply_updates", "init_flat_accumulator", "unflatten_flat_grads", "update_nnx"]
+__all__ = ["apply_updates", "update_nnx"]
