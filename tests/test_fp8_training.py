@@ -223,3 +223,18 @@ def test_a_state_holding_params_and_metas_steps_its_metas_and_keeps_its_params()
     _assert_tree_equal(new_params, params)
     assert fp8.count_metas(param_grads) == 0
     assert not np.array_equal(np.asarray(jax.tree.leaves(new_metas)[1]), np.asarray(jax.tree.leaves(metas)[1]))
+
+
+def test_optims_fp8_keyword_names_the_fp8_step_helpers():
+    model = _layer()
+    xs, cs = _micro_batches(1)
+    grads = nnx.grad(lambda m: jnp.sum(m(xs[0]) * cs[0]), argnums=nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta)))(model)
+    opt = nnx.Optimizer(model, optim.adamw(1e-2), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"update_nnx: fp8= has moved: call jax_ls2.fp8.update_nnx"):
+        optim.update_nnx(opt, model, grads, fp8=RECIPE)
+    tx = optim.adamw(1e-2)
+    _, params, _, _ = _split(model)
+    with pytest.raises(TypeError, match=r"apply_updates: fp8= has moved: call jax_ls2.fp8.apply_updates"):
+        optim.apply_updates(tx, grads, tx.init(params), params, fp8=RECIPE)
+    with pytest.raises(ValueError, match=r"init_accumulator: params hold FP8 metas; .*fp8.init_flat_accumulator"):
+        optim.init_accumulator(nnx.state(model, nnx.Any(nnx.Param, fp8.FP8Meta)))
