@@ -26,7 +26,7 @@ jax_ls2 FP8 layer (bf16 weights), one jitted call per micro-batch as under
 ``optax.MultiSteps``: the gradients of ``sum(layer(x) * dy)`` with respect to the
 parameters and metas added into float32 sums, with
 
-  flat    the gradients in the weights' dtype, added by ``optim.accumulate`` (one kernel
+  flat    the gradients in the weights' dtype, added by ``fp8.accumulate_flat`` (one kernel
           over a flat float32 buffer: a second pass over every accumulator)
   fused   ``fp8.accumulate_grads`` (``fuse_wgrad_accumulation``: each FP8 weight-gradient
           GEMM writes float32 and adds into its accumulator in its own epilogue)
@@ -183,7 +183,6 @@ def ls2_accumulate_step(shape, accumulation: str, cache):
     from flax import nnx
 
     from jax_ls2 import fp8 as ls2_fp8
-    from jax_ls2 import optim
 
     recipe = ls2_fp8.DelayedScaling(amax_history_len=AMAX_HISTORY)
     layer = ls2_layer(shape, 0.0, fp8=recipe)
@@ -215,9 +214,9 @@ def ls2_accumulate_step(shape, accumulation: str, cache):
     def flat_step(state, x, dy):
         acc, variables, caches = state
         grads, new_caches = jax.grad(loss, has_aux=True)(variables, caches, x, dy)
-        return optim.accumulate(acc, grads), new_caches if cache else None
+        return ls2_fp8.accumulate_flat(acc, grads), new_caches if cache else None
 
-    return flat_step, (optim.init_accumulator(variables), variables, caches)
+    return flat_step, (ls2_fp8.init_flat_accumulator(variables), variables, caches)
 
 
 def prepare(impl: str, shape: dict, rate: float = 0.0):

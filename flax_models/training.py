@@ -17,8 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import flax_models as fm
 from flax_models.pipeline import pipeline_model
 from jax_ls2 import parallel
+from jax_ls2 import fp8
 from jax_ls2.fp8 import FP8Meta
-from jax_ls2.optim import FusedGradientTransformation, shard_optimizer, update_nnx
+from jax_ls2.optim import FusedGradientTransformation, shard_optimizer
 from jax_ls2.optim.sharded import state_layout
 from jax_ls2.parallel.mesh import fsdp_spec
 
@@ -180,8 +181,8 @@ def make_step(graphdef):
     aux["grads_finite"] is the optimizer's () bool report on the step's gradients. Equal
     graphdefs (same model, dtypes and optimizer object) get the same jitted function, so
     repeated runs in one process compile once. A model with FP8 layers (``cfg.fp8``) is
-    differentiated with respect to its FP8 metas too, and `update_nnx` steps them by the
-    recipe after the params (the meta updates never reach the optimizer)."""
+    differentiated with respect to its FP8 metas too, and ``jax_ls2.fp8.update_nnx`` splits
+    them off and steps them by the recipe after the params (the meta updates never reach the optimizer)."""
     return jax.jit(_step_fn(graphdef), donate_argnums=0)
 
 
@@ -250,7 +251,7 @@ def _step_fn(graphdef, gathered=None):
             (loss, aux), grads = nnx.value_and_grad(lambda m: m.loss(batch), has_aux=True, argnums=wrt)(model)
         # jax_ls2's fused optimizers write the params in their fused pass (and round
         # stochastically when asked); any other optax transformation goes through opt.update.
-        finite = update_nnx(opt, model, grads, fp8=recipe)
+        finite = fp8.update_nnx(opt, model, grads, fp8=recipe)
         if finite is not None:
             aux = dict(aux, grads_finite=finite)
         return nnx.state((model, opt)), loss, aux

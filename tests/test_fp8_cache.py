@@ -1,6 +1,6 @@
 """FP8 micro-batch accumulation, one jitted call per micro-batch: weight caching
 (`fp8.cache_weights`, cast once per optimizer step) gives bit-identical training with
-optax.MultiSteps and optim.accumulate, and its reuse program casts no weight; fused
+optax.MultiSteps and fp8.accumulate_flat, and its reuse program casts no weight; fused
 float32 weight-gradient accumulation (`fp8.accumulate_grads`) equals the unfused sums
 and adds each weight-gradient GEMM's float32 result straight into its accumulator."""
 import re
@@ -118,7 +118,7 @@ def test_multisteps_with_cached_weights_is_bit_identical_and_refills_each_step()
 
 @lru_cache(maxsize=None)
 def _accumulate_programs():
-    """The optim.accumulate micro-step compiled for each ``is_first_microbatch`` (None:
+    """The fp8.accumulate_flat micro-step compiled for each ``is_first_microbatch`` (None:
     no caching, True: fill, False: reuse), and the (graphdef, state) each takes: a
     model never cached for None, the same model with filled caches for True and False
     (so that both take one state structure; the fill overwrites the copies)."""
@@ -136,9 +136,9 @@ def _accumulate_programs():
             if first is not None:
                 fp8.cache_weights(model, first)
             grads = nnx.grad(_loss, argnums=WRT)(model, x, c)
-            return nnx.state(model), optim.accumulate(acc, grads, 1.0 / MICRO)
+            return nnx.state(model), fp8.accumulate_flat(acc, grads, 1.0 / MICRO)
 
-        acc = jax.jit(optim.init_accumulator)(_trained(nnx.merge(graphdef, state)))
+        acc = jax.jit(fp8.init_flat_accumulator)(_trained(nnx.merge(graphdef, state)))
         return jax.jit(micro_step).lower(state, acc, xs[0], cs[0]).compile()
 
     return {first: program(first) for first in models}, models
@@ -148,12 +148,12 @@ def test_optim_accumulate_with_cached_weights_is_bit_identical_and_records_weigh
     compiled, models = _accumulate_programs()
     xs, cs = _micro_batches(MICRO)
     tx = optim.adamw(1e-2)
-    apply = jax.jit(lambda acc, opt_state, variables: optim.apply_updates(tx, acc, opt_state, variables, fp8=RECIPE))
+    apply = jax.jit(lambda acc, opt_state, variables: fp8.apply_updates(tx, acc, opt_state, variables, fp8=RECIPE))
     results = {}
     for flags in ([None] * MICRO, [i == 0 for i in range(MICRO)]):
         graphdef, state = models[flags[0]]
         variables = _trained(nnx.merge(graphdef, state))
-        acc = jax.jit(optim.init_accumulator)(variables)
+        acc = jax.jit(fp8.init_flat_accumulator)(variables)
         for i, flag in enumerate(flags):
             state, acc = compiled[flag](state, acc, xs[i], cs[i])
         opt_state = jax.jit(tx.init)(nnx.state(nnx.merge(graphdef, state), nnx.Param))
@@ -233,11 +233,11 @@ def test_fused_wgrad_accumulation_equals_the_flat_buffer_accumulation():
     xs, cs = _micro_batches(MICRO)
     loss, variables = _split(nnx.merge(graphdef, state))
     fused = jax.jit(fp8.accumulate_grads(loss))
-    acc, flat = jax.jit(fp8.init_grad_accumulator)(variables), jax.jit(optim.init_accumulator)(variables)
+    acc, flat = jax.jit(fp8.init_grad_accumulator)(variables), jax.jit(fp8.init_flat_accumulator)(variables)
     for x, c in zip(xs, cs):
         _, acc = fused(acc, variables, x, c)
         _, flat = compiled[None](state, flat, x, c)
-    flat_grads, flat_meta = fp8.split_meta(optim.unflatten_grads(flat, variables))
+    flat_grads, flat_meta = fp8.split_meta(fp8.unflatten_flat_grads(flat, variables))
     _assert_trees_equal(acc.meta, flat_meta)
     assert jax.tree.structure(acc.grads) == jax.tree.structure(flat_grads)
     for a, b in zip(jax.tree.leaves(acc.grads), jax.tree.leaves(flat_grads)):

@@ -1,7 +1,8 @@
-"""The FP8 meta in training steps: jax_ls2.optim.update_nnx / accumulate / apply_updates
+"""The FP8 meta in training steps: jax_ls2.fp8.update_nnx / accumulate_flat / apply_updates
 and jax_ls2.fp8.apply_meta_updates / accumulate_meta_updates take the meta updates out
 of the gradients before any optimizer, clipping, MultiSteps or apply_if_finite sees
 them, step the metas once per optimizer step, and merge micro-batches by max."""
+import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,17 +81,17 @@ def test_accumulate_and_apply_updates_step_the_meta_by_the_max_over_micro_batche
     tx = optim.adamw(1e-2)
     state = tx.init(params)
 
-    acc = optim.init_accumulator(variables)
+    acc = fp8.init_flat_accumulator(variables)
     plain_acc = optim.init_accumulator(params)
-    add = jax.jit(optim.accumulate)
+    add, add_flat = jax.jit(optim.accumulate), jax.jit(fp8.accumulate_flat)
     observed = []
     for x, c in zip(xs, cs):
         g = grad(variables, x, c)
         param_grads, meta_updates = fp8.split_meta(g)
         observed.append(meta_updates)
-        acc = add(acc, g, 1.0 / MICRO)
+        acc = add_flat(acc, g, 1.0 / MICRO)
         plain_acc = add(plain_acc, param_grads, 1.0 / MICRO)
-    new_vars, new_state = jax.jit(lambda g, s, v: optim.apply_updates(tx, g, s, v, fp8=RECIPE))(acc, state, variables)
+    new_vars, new_state = jax.jit(lambda g, s, v: fp8.apply_updates(tx, g, s, v, fp8=RECIPE))(acc, state, variables)
 
     expected_metas = fp8.update_meta(metas, _max_observations(observed), RECIPE)
     new_params, new_metas = fp8.split_meta(new_vars)
@@ -100,7 +101,7 @@ def test_accumulate_and_apply_updates_step_the_meta_by_the_max_over_micro_batche
     _assert_tree_equal(new_params, ref_params)
     _assert_tree_equal(new_state, ref_state)
     # unflatten_grads puts the merged meta updates where the metas are.
-    _, unflattened_meta = fp8.split_meta(optim.unflatten_grads(acc, variables))
+    _, unflattened_meta = fp8.split_meta(fp8.unflatten_flat_grads(acc, variables))
     _assert_tree_equal(unflattened_meta, _max_observations(observed))
 
 
@@ -150,7 +151,7 @@ def test_update_nnx_steps_params_and_meta_separately():
         param_grads, meta_updates = fp8.split_meta(grads)
         expected_meta = fp8.update_meta(nnx.state(model, fp8.FP8Meta), meta_updates, RECIPE)
 
-        optim.update_nnx(opt, model, grads, fp8=RECIPE)
+        fp8.update_nnx(opt, model, grads, fp8=RECIPE)
         optim.update_nnx(twin_opt, twin, param_grads)
         _assert_tree_equal(nnx.state(model, fp8.FP8Meta), expected_meta)
         _assert_tree_equal(nnx.state(model, nnx.Param), nnx.state(twin, nnx.Param))
@@ -183,25 +184,25 @@ def test_meta_updates_are_refused_where_they_would_reach_an_optimizer():
         optim.update_nnx(opt, model, grads)
     with pytest.raises(ValueError, match=r"apply_meta_updates: model_or_state holds FP8 metas but grads carry no "
                                          r"meta update"):
-        optim.update_nnx(opt, model, param_only, fp8=RECIPE)
+        fp8.update_nnx(opt, model, param_only, fp8=RECIPE)
     with pytest.raises(TypeError, match=r"update_nnx: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got str"):
-        optim.update_nnx(opt, model, grads, fp8="hybrid")
+        fp8.update_nnx(opt, model, grads, fp8="hybrid")
     with pytest.raises(TypeError, match=r"update_nnx: optimizer.wrt selects FP8Meta variables"):
-        optim.update_nnx(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Any(nnx.Param, fp8.FP8Meta)), model, grads,
+        fp8.update_nnx(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Any(nnx.Param, fp8.FP8Meta)), model, grads,
                          fp8=RECIPE)
     with pytest.raises(ValueError, match=r"update_nnx: optimizer.tx is an optax.MultiSteps"):
-        optim.update_nnx(nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2), wrt=nnx.Param), model, grads,
+        fp8.update_nnx(nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2), wrt=nnx.Param), model, grads,
                          fp8=RECIPE)
     with pytest.raises(ValueError, match=r"update_nnx: fp8 is set but the model holds no FP8Meta"):
         plain = TransformerEncoderLayer(HIDDEN, FFN, HEADS, deterministic=True, rngs=nnx.Rngs(0))
-        optim.update_nnx(nnx.Optimizer(plain, optax.sgd(0.1), wrt=nnx.Param), plain,
+        fp8.update_nnx(nnx.Optimizer(plain, optax.sgd(0.1), wrt=nnx.Param), plain,
                          nnx.grad(lambda m: jnp.sum(m(xs[0])))(plain), fp8=RECIPE)
     tx = optim.adamw(1e-2)
     state = tx.init(nnx.state(model, nnx.Param))
     with pytest.raises(TypeError, match=r"adamw: grads hold FP8 meta updates"):
         tx.update(nnx.state(grads), state, nnx.state(model, nnx.Any(nnx.Param, fp8.FP8Meta)))
     _, params, metas, _ = _split(model)
-    acc = optim.accumulate(optim.init_accumulator(nnx.merge_state(params, metas)), grads)
+    acc = fp8.accumulate_flat(fp8.init_flat_accumulator(nnx.merge_state(params, metas)), grads)
     with pytest.raises(TypeError, match=r"adamw: the FlatGrads carry FP8 meta updates"):
         optim.apply_updates(tx, acc, state, params)
     with pytest.raises(ValueError, match=r"accumulate: grads hold FP8 meta updates but acc has no meta"):
@@ -223,3 +224,37 @@ def test_a_state_holding_params_and_metas_steps_its_metas_and_keeps_its_params()
     _assert_tree_equal(new_params, params)
     assert fp8.count_metas(param_grads) == 0
     assert not np.array_equal(np.asarray(jax.tree.leaves(new_metas)[1]), np.asarray(jax.tree.leaves(metas)[1]))
+
+
+def test_optims_old_fp8_keyword_warns_once_and_runs_the_fp8_step():
+    from jax_ls2.optim import apply as optim_apply
+    optim_apply._warned_moved.clear()
+    xs, cs = _micro_batches(1)
+    loss = lambda m: jnp.sum(m(xs[0]) * cs[0])
+    grad = lambda m: nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta)))(m)
+    results = []
+    for old in (True, False, True):
+        model = _layer()
+        opt = nnx.Optimizer(model, optim.adamw(1e-2), wrt=nnx.Param)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            step = optim.update_nnx if old else fp8.update_nnx
+            step(opt, model, grad(model), fp8=RECIPE)
+        moved = [w for w in seen if issubclass(w.category, DeprecationWarning) and "update_nnx" in str(w.message)]
+        assert len(moved) == (1 if old and not results else 0), [str(w.message) for w in seen]
+        results.append(nnx.state(model, nnx.Any(nnx.Param, fp8.FP8Meta)))
+    _assert_tree_equal(results[0], results[1])
+    model = _layer()
+    tx = optim.adamw(1e-2)
+    _, params, _, _ = _split(model)
+    variables = nnx.state(model, nnx.Any(nnx.Param, fp8.FP8Meta))
+    grads = grad(model)
+    with pytest.warns(DeprecationWarning, match=r"optim.apply_updates\(\.\.\., fp8=recipe\) is deprecated: call "
+                                                 r"jax_ls2.fp8.apply_updates"):
+        got = optim.apply_updates(tx, grads, tx.init(params), variables, fp8=RECIPE)
+    _assert_tree_equal(got, fp8.apply_updates(tx, grads, tx.init(params), variables, fp8=RECIPE))
+    with pytest.raises(TypeError, match=r"update_nnx: fp8 must be None or a jax_ls2.fp8.DelayedScaling, got str"):
+        optim.update_nnx(nnx.Optimizer(model, optim.adamw(1e-2), wrt=nnx.Param), model, grads, fp8="hybrid")
+    model = _layer()
+    with pytest.raises(ValueError, match=r"init_accumulator: params hold FP8 metas; .*fp8.init_flat_accumulator"):
+        optim.init_accumulator(nnx.state(model, nnx.Any(nnx.Param, fp8.FP8Meta)))

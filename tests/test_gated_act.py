@@ -238,3 +238,10 @@ def test_gpu_every_output_element_written_and_kernels_called():
         return y, pull(dy)[0]
     text = compiled_text(y_and_dx, x, dy)
     assert "jax_ls2_gated_act_dropout_fwd" in text and "jax_ls2_gated_act_dropout_bwd" in text
+
+
+def test_the_old_name_of_the_gated_activations_warns_and_names_the_new_one():
+    import importlib
+    gated_act = importlib.import_module("jax_ls2.ops.gated_act")
+    with pytest.warns(DeprecationWarning, match=r"use jax_ls2.ops.gated_act.GATED_ACTIVATIONS"):
+        assert gated_act.ACTIVATIONS == gated_act.GATED_ACTIVATIONS == ("swiglu", "geglu", "geglu_tanh")

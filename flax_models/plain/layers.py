@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_models.plain.constants import EPSILON
+
 BACKENDS = ("auto", "cudnn", "xla")
 ACTIVATION_FNS = {"relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
         "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
 
-def LayerNorm(num_features, *, epsilon=1e-5, dtype=None, param_dtype=jnp.float32, rngs=None):
+def LayerNorm(num_features, *, epsilon=EPSILON, dtype=None, param_dtype=jnp.float32, rngs=None):
     """``nnx.LayerNorm`` (params ``scale``, ``bias``)."""
     return nnx.LayerNorm(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                          rngs=rngs if rngs is not None else nnx.Rngs(0))
@@ -95,7 +97,7 @@ class _Block(nnx.Module):
 
     def __init__(self, hidden_size, ffn_size, num_heads, *, pre_layer_norm=True,
                  activation="relu", attn_dropout=0.0, activation_dropout=0.0,
-                 hidden_dropout=0.0, epsilon=1e-5, attention_backend="auto",
+                 hidden_dropout=0.0, epsilon=EPSILON, attention_backend="auto",
                  deterministic=None, dtype=None, param_dtype=jnp.float32, rngs):
         self.hidden_size, self.pre_layer_norm, self.activation = hidden_size, pre_layer_norm, activation
         self.deterministic = deterministic

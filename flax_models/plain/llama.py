@@ -1,8 +1,9 @@
 """Plain-Flax twins of jax_ls2.nn.RMSNorm and jax_ls2.nn.DecoderLayer (no jax_ls2 ops):
 the same constructors and parameter trees, the math written with jnp and
 ``jax.nn.dot_product_attention``. The decode cache is Flax's own ``nnx.Cache``, written
-and masked by the jnp rules of `jax_ls2.nn.kv_cache`, and the defaults are jax_ls2's
-constants, so both forms decode and initialise alike."""
+and masked by `flax_models.plain.kv_cache` (a copy of `jax_ls2.nn.kv_cache`'s rules),
+and the defaults are copies of jax_ls2's constants (`flax_models.plain.constants`), so
+both forms decode and initialise alike."""
 from __future__ import annotations
 
 import math
@@ -12,11 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_models.plain import kv_cache
+from flax_models.plain.constants import EPSILON, INIT_STDDEV, RMS_EPSILON
 from flax_models.plain.layers import LayerNorm, attention_implementation
-from jax_ls2.nn import kv_cache
-from jax_ls2.nn.config import EPSILON
-from jax_ls2.nn.decoder import INIT_STDDEV
-from jax_ls2.ops.rms_norm import RMS_EPSILON
 
 F32 = jnp.float32
 
@@ -123,7 +122,7 @@ class DecoderLayer(nnx.Module):
     def init_cache(self, batch, max_len, dtype=None):
         dtype = dtype or self.dtype or self.qkv.kernel.dtype
         self.cache_k, self.cache_v, self.cache_index = kv_cache.new_cache(
-            batch, max_len, self.num_kv_heads, self.head_dim, dtype, "DecoderLayer", variable=nnx.Cache)
+            batch, max_len, self.num_kv_heads, self.head_dim, dtype, "DecoderLayer")
 
     def _attend(self, q, k, v, mask, causal, det):
         if (not det) and self.attn_dropout > 0:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_models.plain.constants import EPSILON
 from flax_models.plain.layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
 
 
@@ -33,7 +34,7 @@ def _final_ln(final_layer_norm, hidden_size, layer_kw, rngs):
         final_layer_norm = layer_kw.get("pre_layer_norm", True)
     if not final_layer_norm:
         return nnx.data(None)
-    return LayerNorm(hidden_size, epsilon=layer_kw.get("epsilon", 1e-5),
+    return LayerNorm(hidden_size, epsilon=layer_kw.get("epsilon", EPSILON),
                      dtype=layer_kw.get("dtype"),
                      param_dtype=layer_kw.get("param_dtype", jnp.float32), rngs=rngs)
 

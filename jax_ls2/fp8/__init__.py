@@ -25,9 +25,11 @@ averaged or summed). Here the update never reaches an optimizer:
     meta = fp8.update_meta(meta, acc, recipe)            # once per optimizer step:
                                                          # roll the history, recompute scales
 
-In a training loop the step helpers do this. `jax_ls2.optim.update_nnx`,
-`jax_ls2.optim.apply_updates` and `jax_ls2.optim.accumulate` take ``fp8=recipe`` and a
-gradient tree holding the meta updates; for a plain optax loop::
+In a training loop the step helpers here do this, so that ``jax_ls2.optim`` sees
+parameters only: `update_nnx` and `apply_updates` take ``fp8=recipe`` and a gradient
+tree holding the meta updates and call ``jax_ls2.optim``'s functions of the same names
+on the parameters; `init_flat_accumulator`, `accumulate_flat` and `unflatten_flat_grads`
+accumulate such gradients in ``jax_ls2.optim``'s flat buffer. For a plain optax loop::
 
     grads = jax.grad(loss)(variables, batch)               # variables: params and metas
     param_grads, variables = fp8.apply_meta_updates(variables, grads, recipe)
@@ -75,7 +77,7 @@ amaxes. With ``optax.MultiSteps`` the flag is the only change::
     for i, (x, y) in enumerate(batches):
         pending = micro_step(model, optimizer, pending, x, y, first=i % k == 0)
 
-(``optim.accumulate`` loops alike; in a functional loop that merges the model inside
+(``fp8.accumulate_flat`` loops alike; in a functional loop that merges the model inside
 ``jax.jit``, return ``nnx.state(model, fp8.FP8WeightCache)`` from the fill step.)
 
 Reusing a cache never filled, or filled for another recipe or weight shape, raises
@@ -105,17 +107,20 @@ overstates the amax); under ``jax.vmap`` with a shared meta the amax is taken ov
 whole mapped batch; under ``shard_map`` pass the mesh axes as ``amax_axes`` so that the
 amaxes are max-reduced (``recipe.reduce_amax``) and every replica keeps identical scales.
 """
-from jax_ls2.fp8.accumulate import GradAccumulator, accumulate_grads, init_grad_accumulator
+from jax_ls2.fp8.accumulate import (GradAccumulator, accumulate_flat, accumulate_grads, init_flat_accumulator,
+                                    init_grad_accumulator, unflatten_flat_grads)
 from jax_ls2.fp8.cache import WeightCaching, cache_weights
 from jax_ls2.fp8.dot import fp8_dot
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
+from jax_ls2.fp8.optimizer import apply_updates, update_nnx
 from jax_ls2.fp8.recipe import (AMAX_COMPUTE_ALGOS, E4M3, E5M2, FORMATS, GRAD_OUTPUT, INPUT, WEIGHT,
                                 DelayedScaling, fp8_max)
 from jax_ls2.fp8.state import (DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies, is_meta, join_meta,
                                merge_meta_updates, split_meta, update_dot_meta, update_meta)
 from jax_ls2.fp8.step import accumulate_meta_updates, apply_meta_updates, count_metas, meta_updates_like
 
-__all__ = ["GradAccumulator", "WeightCaching", "accumulate_grads", "cache_weights", "init_grad_accumulator", "FP8WeightCache",
+__all__ = ["accumulate_flat", "apply_updates", "init_flat_accumulator", "unflatten_flat_grads", "update_nnx",
+           "GradAccumulator", "WeightCaching", "accumulate_grads", "cache_weights", "init_grad_accumulator", "FP8WeightCache",
            "WeightCopies", "accumulate_meta_updates", "apply_meta_updates", "count_metas", "meta_updates_like",
            "AMAX_COMPUTE_ALGOS", "DelayedScaling", "DotMeta", "E4M3", "E5M2", "FORMATS", "FP8DotMeta", "FP8Meta",
            "GRAD_OUTPUT", "INPUT", "WEIGHT", "fp8_dot", "fp8_max", "fp8_mlp", "layernorm_fp8_dot", "is_meta", "join_meta", "merge_meta_updates", "split_meta",

@@ -1,5 +1,14 @@
-"""Gradient accumulation whose FP8 weight-gradient GEMMs add into float32 accumulators in
-their own epilogue (Transformer Engine's ``fuse_wgrad_accumulation``).
+"""Gradient accumulation for models with FP8 layers: the parameters' gradients summed in
+float32, the FP8 meta updates merged by elementwise max (`merge_meta_updates`, never a
+sum), in one of two forms.
+
+* `init_flat_accumulator` / `accumulate_flat` / `unflatten_flat_grads`: the parameters'
+  gradients in ``jax_ls2.optim``'s flat float32 buffer (``optim.accumulate``: one
+  kernel launch per 256 leaves), the merged meta updates in ``FlatGrads.meta``, for
+  `jax_ls2.fp8.apply_updates`.
+* `init_grad_accumulator` / `accumulate_grads`: per-leaf float32 sums whose FP8
+  weight-gradient GEMMs add into the accumulators in their own epilogue (Transformer
+  Engine's ``fuse_wgrad_accumulation``), described below.
 
 XLA's GPU gemm rewriter folds ``acc + dot(a, b)`` into the cuBLASLt call (``acc`` as its
 C matrix, beta = 1) when the add is in the same program as the GEMM, ``acc`` is float32
@@ -18,8 +27,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ls2 import optim
 from jax_ls2.fp8.state import join_meta, merge_meta_updates, split_meta
-from jax_ls2.fp8.step import count_metas
+from jax_ls2.fp8.step import count_metas, meta_updates_like
 
 
 class GradAccumulator(NamedTuple):
@@ -68,7 +78,7 @@ def accumulate_grads(fun, *, fuse_wgrad_accumulation: bool = True, has_aux: bool
       a mean: scale it once per optimizer step) and the meta updates merged by max.
       Jit ``step`` (donate ``acc``) so that the adds share the backward's program.
       ``join_meta(acc.grads, acc.meta)`` is then a gradient tree for
-      `apply_meta_updates` / ``jax_ls2.optim.apply_updates(..., fp8=recipe)``.
+      `apply_meta_updates` / `jax_ls2.fp8.apply_updates(..., fp8=recipe)`.
     """
     if not callable(fun):
         raise TypeError(f"accumulate_grads: fun must be callable, got {type(fun).__name__}")
@@ -114,3 +124,40 @@ def _check_floating(op, params):
     for p in jax.tree.leaves(params):
         if not jnp.issubdtype(p.dtype, jnp.floating):
             raise TypeError(f"{op}: every parameter must be floating (float32/bfloat16/float16), got {p.dtype}")
+
+
+def init_flat_accumulator(variables) -> optim.FlatGrads:
+    """`jax_ls2.optim.init_accumulator` for ``variables`` (params, with FP8 metas or
+    without): the (total,) float32 zeros of the params' flat layout and, where metas
+    are, their empty (zero) meta updates in ``meta``."""
+    params, metas = _split(variables)
+    acc = optim.init_accumulator(params)
+    return acc if metas is None else acc._replace(meta=meta_updates_like(metas))
+
+
+def accumulate_flat(acc: optim.FlatGrads, grads, scale=1.0) -> optim.FlatGrads:
+    """`jax_ls2.optim.accumulate` for gradients holding FP8 meta updates: the params'
+    gradients added into ``acc.buffer`` (times `scale`), the meta updates merged into
+    ``acc.meta`` by elementwise max, unscaled (observed amaxes, not gradients)."""
+    if not isinstance(acc, optim.FlatGrads):
+        raise TypeError(f"accumulate_flat: acc must be a FlatGrads from init_flat_accumulator, got "
+                        f"{type(acc).__name__}")
+    grads, meta_updates = _split(grads)
+    if (meta_updates is None) != (acc.meta is None):
+        raise ValueError("accumulate_flat: grads " + ("hold FP8 meta updates but acc has no meta (make it with "
+                                                 "init_flat_accumulator from the params and metas together)"
+                                                 if acc.meta is None else
+                                                 "hold no FP8 meta updates but acc.meta expects them "
+                                                 "(differentiate with respect to the metas too)"))
+    summed = optim.accumulate(optim.FlatGrads(acc.buffer), grads, scale)
+    return summed if meta_updates is None else summed._replace(meta=merge_meta_updates(acc.meta, meta_updates))
+
+
+def unflatten_flat_grads(acc: optim.FlatGrads, variables):
+    """The accumulated gradients as a float32 pytree like ``variables``, with
+    ``acc.meta``'s merged meta updates where the metas are."""
+    params, metas = _split(variables)
+    grads = optim.unflatten_grads(acc, params)
+    if metas is None or acc.meta is None:
+        return grads
+    return join_meta(grads, acc.meta)

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_ls2._dispatch import _varying_axes, match_varying
-from jax_ls2._dispatch import fused_vjp
-from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
+from jax_ls2._dispatch import _varying_axes, fused_vjp, match_varying
+from jax_ls2.ops._fp8_formats import quantize as _quantize
+from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling
 from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies
 
 OP = "fp8_dot"
@@ -123,12 +123,6 @@ def _as_dot_meta(meta, recipe: DelayedScaling, op: str = OP) -> DotMeta:
             raise ValueError(f"{op}: meta.{name} must be float32 of shape {shape} (amax_history_len="
                              f"{recipe.amax_history_len}), got {a.dtype} {tuple(a.shape)}")
     return meta
-
-
-def _quantize(t, scale, fp8_dtype):
-    """t * scale, saturated to the FP8 range, cast to ``fp8_dtype`` (round to nearest)."""
-    limit = fp8_max(fp8_dtype)
-    return jnp.clip(t.astype(jnp.float32) * scale, -limit, limit).astype(fp8_dtype)
 
 
 # Output dtypes whose scale multiply is folded into the cuBLASLt FP8 call (see _scaled_dot).

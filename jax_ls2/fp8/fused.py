@@ -22,29 +22,21 @@ copies).
 """
 from __future__ import annotations
 
-import importlib
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_ls2._dispatch import match_varying
-from jax_ls2._dispatch import fused_vjp
+from jax_ls2 import ops
+from jax_ls2._dispatch import fused_vjp, match_varying
 from jax_ls2.ops._normalization import check_epsilon
+from jax_ls2.ops.dropout import ACTIVATIONS
+from jax_ls2.ops.layer_norm import _multi_bwd_kernel as _multi_layer_norm_bwd_kernel
 from jax_ls2.fp8.dot import (_backward_gemms, _check_splits, _first_order_only, _joined, _mesh_max, _prepare,
                               _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight_copies)
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, DelayedScaling
 from jax_ls2.fp8.state import DotMeta
-
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-
-
-def _ops():
-    # Imported when first used: jax_ls2.ops' FP8 casts import jax_ls2.fp8.
-    from jax_ls2 import ops
-    # The module, not the function jax_ls2.ops re-exports under the same name.
-    return ops, importlib.import_module("jax_ls2.ops.layer_norm")
 
 
 @custom_vmap
@@ -79,7 +71,6 @@ def _grad_cast(g, dm, recipe, axes, fused_cast=True):
     fuse into the cast rather than write out for a kernel) XLA's cast, and no transpose."""
     if not fused_cast:
         return _rows(_quantize(g, dm.scale[GRAD_OUTPUT], recipe.backward_dtype)), None, _reduced_amax(g, dm.scale, axes)
-    ops, _ = _ops()
     gq, gq_t, amax = ops.cast_transpose(g, dm.scale[GRAD_OUTPUT], fp8_dtype=recipe.backward_dtype)
     return _rows(gq), gq_t, _observed(amax, dm.scale, axes)
 
@@ -95,12 +86,11 @@ def _check_ln(op, x, gamma, beta, epsilon):
 def _ln_backward(dh, dx_other, x, gamma, mean, rstd):
     """LayerNorm backward with the gradient of x's other use (the residual branch)
     added in the same kernel."""
-    _, ln_mod = _ops()
     gamma_x = gamma.astype(x.dtype)
     if dx_other is None:
-        dx, dg, db = ln_mod._multi_bwd_kernel(1)(x, gamma_x, mean, rstd, dh.astype(x.dtype), has_dsum=False)
+        dx, dg, db = _multi_layer_norm_bwd_kernel(1)(x, gamma_x, mean, rstd, dh.astype(x.dtype), has_dsum=False)
     else:
-        dx, dg, db = ln_mod._multi_bwd_kernel(2)(x, gamma_x, mean, rstd, dh.astype(x.dtype),
+        dx, dg, db = _multi_layer_norm_bwd_kernel(2)(x, gamma_x, mean, rstd, dh.astype(x.dtype),
                                                  dx_other.astype(x.dtype), has_dsum=True)
     return dx, dg.astype(gamma.dtype), db.astype(gamma.dtype)
 
@@ -154,7 +144,6 @@ def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, 
 
 
 def _ln_fp8(x, gamma, beta, dm, recipe, axes, eps):
-    ops, _ = _ops()
     hq, amax_h, mean, rstd = ops.layer_norm_fp8(x, gamma, beta, dm.scale[INPUT], fp8_dtype=recipe.forward_dtype,
                                                 epsilon=eps)
     return hq, _observed(amax_h, dm.scale, axes), mean, rstd
@@ -252,7 +241,6 @@ def _mlp(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta
 
 def _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, wc1, wc2,
              dm1, dm2):
-    ops, _ = _ops()
     x, gamma, beta, w1, b1, w2, wc1, wc2, dm1, dm2 = _first_order_only((x, gamma, beta, w1, b1, w2, wc1, wc2,
                                                                          dm1, dm2))
     if eps is None:
@@ -275,7 +263,6 @@ def _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, 
 
 
 def _mlp_bwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, res, cts):
-    ops, _ = _ops()
     cts, res = _first_order_only((cts, res))
     x, ln_res, hq, hq_t, w1q, pre, aq, w2q, dm1, dm2, amax_h, amax_w1, amax_a, amax_w2, b1 = res
     dy, dx_other = cts if keep else (cts[0], None)

@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jax_ls2.ops._fp8_formats import E4M3, E5M2, fp8_max  # noqa: F401 (re-exported)
+
 FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -13,18 +15,10 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 NUM_OPERANDS = 3
 
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-E5M2 = jnp.dtype(jnp.float8_e5m2)
-
 # The largest margin for which 2**margin and 2**-margin are both normal float32 values:
 # 2**128 is inf (every scale becomes 0), and at 127 XLA divides by multiplying with the
 # subnormal 2**-127, which flushes to zero with the same result.
 MAX_MARGIN = -int(jnp.finfo(jnp.float32).minexp)
-
-
-def fp8_max(dtype) -> float:
-    """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
-    return float(jnp.finfo(dtype).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +48,13 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+
+    def _optimizer_step(self, fn: str):
+        """``jax_ls2.fp8.<fn>`` (``apply_updates`` or ``update_nnx``): how the deprecated
+        ``jax_ls2.optim.<fn>(..., fp8=recipe)`` reaches the FP8 step without ``optim``
+        importing ``fp8``."""
+        from jax_ls2.fp8 import optimizer
+        return getattr(optimizer, fn)
 
     def __post_init__(self):
         def bad(arg, expected, got):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ls2.fp8.recipe import NUM_OPERANDS, DelayedScaling
+from jax_ls2.optim import NotAParameter
 
 
 class DotMeta(NamedTuple):
@@ -56,6 +57,11 @@ class FP8Meta(nnx.Variable):
     """NNX variable holding a `DotMeta`. Not an ``nnx.Param``: optimizers built with
     ``wrt=nnx.Param`` never see it; differentiate with
     ``nnx.DiffState(0, nnx.Any(nnx.Param, FP8Meta))`` to get its meta update."""
+
+
+# The metas and their updates are state beside the parameters: jax_ls2.optim refuses them.
+NotAParameter.register(DotMeta)
+NotAParameter.register(FP8Meta)
 
 
 class WeightCopies(NamedTuple):

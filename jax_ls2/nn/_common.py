@@ -7,20 +7,14 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import DelayedScaling, fp8_dot
+from jax_ls2.ops._checks import check_rate_in_range as check_rate  # noqa: F401 (the layers' spelling)
+from jax_ls2.ops.dropout import ACTIVATIONS
 from jax_ls2.parallel.tensor import bound_axis_size, constrain_sequence
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 # The oldest CUDA compute capability with FP8 GEMMs (Ada, sm_89).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 # cuBLASLt's FP8 GEMMs take K and N (the contracted and the output dims) in multiples of 16.
 FP8_DIM_MULTIPLE = 16
-
-
-def check_rate(owner: str, name: str, rate: float) -> float:
-    rate = float(rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{owner}: {name} must be in [0, 1), got {rate}")
-    return rate
 
 
 def check_positive_int(owner: str, name: str, value, allow_none: bool = False):

@@ -26,7 +26,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
-from jax_ls2.nn import _ops_compat as ops
+from jax_ls2 import ops
 from jax.sharding import PartitionSpec as P
 
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_heads, check_hidden, check_rate, draw_key,

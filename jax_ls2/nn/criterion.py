@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_ls2.nn import _ops_compat as ops
+from jax_ls2 import ops
 from jax_ls2.nn._common import check_sequence_axis, check_tensor_parallel, require_tensor_axis, tensor_axis_size
 from jax_ls2.parallel.cross_entropy import vocab_parallel_cross_entropy
 from jax_ls2.parallel.mesh import DATA

@@ -41,7 +41,7 @@ from jax_ls2.nn.attention import cudnn_applies
 from jax_ls2.nn.layers import LayerNorm
 from jax_ls2.nn.rms_norm import RMSNorm
 from jax_ls2.ops import dropout, flash_attention, gated_act_dropout, rotary
-from jax_ls2.ops.gated_act import ACTIVATIONS as GATED_ACTIVATIONS
+from jax_ls2.ops.gated_act import GATED_ACTIVATIONS
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
 

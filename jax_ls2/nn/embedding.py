@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_ls2.nn import _ops_compat as ops
+from jax_ls2 import ops
 from jax_ls2.nn._common import (check_rate, check_tensor_parallel, draw_key, require_tensor_axis,
                                 resolve_deterministic, rng_stream, split_sequence)
 from jax_ls2.ops.embedding import sinusoid_inv_freq

@@ -16,7 +16,7 @@ from flax.nnx.nn import dtypes
 
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
-from jax_ls2.nn import _ops_compat as ops
+from jax_ls2 import ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
                                 tensor_axis_size)
@@ -339,7 +339,7 @@ _DOC_ARGS = """
         parameter tree is the bf16 layer's); attention and biases stay in
         ``dtype``. Train with the meta updated every step: differentiate with
         ``nnx.DiffState(0, nnx.Any(nnx.Param, fp8.FP8Meta))`` and pass the gradients to
-        ``jax_ls2.optim.update_nnx(..., fp8=recipe)`` or `jax_ls2.fp8.apply_meta_updates`.
+        ``jax_ls2.fp8.update_nnx(..., fp8=recipe)`` or `jax_ls2.fp8.apply_meta_updates`.
         hidden_size and ffn_size must be multiples of 16; a CUDA GPU needs sm_89+.
       rngs: ``nnx.Rngs``; params from ``params``, dropout keys from ``dropout``.
 

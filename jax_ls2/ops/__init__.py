@@ -8,9 +8,9 @@ __all__ += ["cross_entropy", "linear_cross_entropy"]
 from jax_ls2.ops.dropout import bias_act_dropout, bias_dropout_residual, dropout
 
 __all__ += ["bias_dropout_residual", "bias_act_dropout", "dropout"]
-from jax_ls2.ops.softmax import softmax_dropout
+from jax_ls2.ops.softmax import softmax_dropout, xla_softmax_dropout
 
-__all__ += ["softmax_dropout"]
+__all__ += ["softmax_dropout", "xla_softmax_dropout"]
 from jax_ls2.ops.embedding import embedding
 
 __all__ += ["embedding"]

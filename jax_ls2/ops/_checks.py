@@ -70,6 +70,15 @@ def check_key(op: str, key) -> None:
         raise TypeError(f"{op}: key must be {expected}, got dtype {key.dtype} shape {tuple(key.shape)}")
 
 
+def check_rate_in_range(owner: str, name: str, rate) -> float:
+    """Raises unless ``rate`` (a number) is a dropout probability in [0, 1); returns it
+    as a Python float. ``owner`` (the op or layer) and ``name`` go into the message."""
+    rate = float(rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{owner}: {name} must be in [0, 1), got {rate}")
+    return rate
+
+
 def check_rate(op: str, rate, key, deterministic) -> float:
     """Checks the dropout arguments (``deterministic`` with `check_deterministic`
     first); returns the rate as a Python float."""
@@ -77,8 +86,7 @@ def check_rate(op: str, rate, key, deterministic) -> float:
         rate = float(rate)
     if not isinstance(rate, (int, float, np.floating)):
         raise TypeError(f"{op}: rate must be a Python float (static), got {type(rate).__name__}")
-    if not 0.0 <= float(rate) < 1.0:
-        raise ValueError(f"{op}: rate must be in [0, 1), got {rate}")
+    check_rate_in_range(op, "rate", rate)
     deterministic = check_deterministic(op, deterministic)
     if float(rate) > 0.0 and not deterministic and key is None:
         raise ValueError(f"{op}: key is required when rate > 0 and deterministic=False, got None")

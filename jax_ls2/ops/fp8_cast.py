@@ -30,6 +30,7 @@ import numpy as np
 
 from jax_ls2._dispatch import COLS, MAX, PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
 from jax_ls2.ops import _checks, _normalization
+from jax_ls2.ops._fp8_formats import E4M3, E5M2, quantize as _quantize
 from jax_ls2.ops._limits import MAX_PARTS
 from jax_ls2.ops.dropout import _ACT_CODE, ACTIVATIONS, _act, _act_grad
 from jax_ls2.ops.layer_norm import _BWD as _LAYER_NORM_BWD, _stats
@@ -38,17 +39,6 @@ F32 = jnp.float32
 
 
 # ---------------------------------------------------------------- reference math
-def _fp8():
-    # Imported when first used: jax_ls2.fp8 composes these ops, so importing it while
-    # jax_ls2.ops loads could find it half-initialised.
-    from jax_ls2.fp8 import dot, recipe
-    return dot, recipe
-
-
-def _quantize(v, scale, fp8_dtype):
-    return _fp8()[0]._quantize(v, scale, fp8_dtype)
-
-
 def _amax(v):
     return jnp.max(jnp.abs(v), initial=np.float32(0)).astype(F32)
 
@@ -126,7 +116,7 @@ _DACT = FusedKernel("jax_ls2_dact_cast_transpose_dbias_fp8", _dact_ref, operands
 
 # ---------------------------------------------------------------- validation
 def _check_fp8_dtype(op, fp8_dtype):
-    formats = _fp8()[1].E4M3, _fp8()[1].E5M2
+    formats = E4M3, E5M2
     try:
         dt = jnp.dtype(fp8_dtype)
     except TypeError:

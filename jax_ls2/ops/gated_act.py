@@ -18,6 +18,7 @@ own, as with ``jax.random``.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,10 @@ from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
 F32 = jnp.float32
 # "geglu" takes the exact (erf) GELU, "geglu_tanh" its tanh approximation (Gemma's).
-ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
-_ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+# The gated activations (act(gate) * up of the two halves), not those of `bias_act_dropout`
+# (`jax_ls2.ops.dropout.ACTIVATIONS`).
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+_ACT_CODE = {name: i for i, name in enumerate(GATED_ACTIVATIONS)}
 
 
 # ---------------------------------------------------------------- reference math
@@ -164,10 +167,18 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
     if n == 0 or n % 2:
         raise ValueError(f"{op}: x's last axis must be 2 * ffn (gate then up; even, > 0), got shape {tuple(x.shape)}")
     if not isinstance(activation, str) or activation not in _ACT_CODE:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"{op}: activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
     seed, threshold, scale = _checks.check_dropout(op, rate, key, deterministic)
     if shard_spec is not None and len(tuple(shard_spec)) == x.ndim and tuple(shard_spec)[-1] is not None:
         raise ValueError(f"{op}: x's last axis ([gate | up]) cannot be split, got shard_spec {shard_spec!r}")
     offsets, strides = _random.numbering(op, _out_shape(x), shard_spec, threshold)
     (x,) = match_varying(x)
     return _gated(x, seed, offsets, (activation, threshold, scale, strides))
+
+
+def __getattr__(name):
+    if name == "ACTIVATIONS":
+        warnings.warn("jax_ls2.ops.gated_act.ACTIVATIONS is deprecated; use "
+                      "jax_ls2.ops.gated_act.GATED_ACTIVATIONS", DeprecationWarning, stacklevel=2)
+        return GATED_ACTIVATIONS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from jax_ls2 import _random
 from jax_ls2._dispatch import BCAST, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
 from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
+from jax_ls2.ops.dropout import dropout
 
 F32 = jnp.float32
 
@@ -241,3 +242,28 @@ def softmax_dropout(scores, *, scale: float = 1.0, bias=None, mask=None, causal:
     # too, and its gradient is summed over the devices (see match_varying).
     scores, bias = match_varying(scores, bias)
     return _softmax_dropout(scores, bias, mask, seed, offsets, cfg)
+
+
+# Masked logits of the XLA reference: exp underflows to 0, and a fully masked row stays finite.
+_MASKED_LOGIT = -1e30
+
+
+def xla_softmax_dropout(scores, *, scale: float = 1.0, mask=None, causal: bool = False, rate: float = 0.0,
+                        key=None, deterministic: bool = False, shard_spec=None):
+    """The XLA reference of the attention softmax (the ``"xla"`` attention backend):
+    ``dropout(softmax(scale * scores))`` in pure jnp with float32 statistics, the same
+    mask as `softmax_dropout` for the same key (drawn by `jax_ls2.ops.dropout`).
+
+    scores: (batch, heads, q_len, k_len), float32/float16/bfloat16; mask: bool
+    broadcastable to scores, True = keep; causal: aligned bottom-right (query i sees keys
+    up to i + k_len - q_len); shard_spec as `softmax_dropout`'s (inside ``shard_map``).
+    Returns the probabilities in scores' dtype; XLA's autodiff gives the backward pass.
+    """
+    s = scores.astype(jnp.float32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, _MASKED_LOGIT)
+    if causal:
+        q, k = s.shape[-2], s.shape[-1]
+        s = jnp.where(jnp.arange(q)[:, None] + (k - q) >= jnp.arange(k)[None, :], s, _MASKED_LOGIT)
+    return dropout(jax.nn.softmax(s, axis=-1), rate=rate, key=key, deterministic=deterministic,
+                   shard_spec=shard_spec).astype(scores.dtype)

@@ -44,6 +44,7 @@ negative or not finite is taken as 0 in that step (the params keep their values)
 the state's ``finite`` flag reads False: checked on the device, with no host round trip.
 """
 from jax_ls2.optim._options import PrecisionOptions
+from jax_ls2.optim._state_nodes import NotAParameter
 from jax_ls2.optim._transformation import FlatGrads, FusedGradientTransformation, FusedState
 from jax_ls2.optim.accumulation import accumulate, init_accumulator, unflatten_grads
 from jax_ls2.optim.apply import apply_updates, update_nnx
@@ -54,4 +55,4 @@ from jax_ls2.optim.transforms import adam, adamw, sgd
 
 __all__ = ["adam", "adamw", "sgd", "apply_updates", "update_nnx", "accumulate", "init_accumulator", "unflatten_grads",
            "scale_loss", "loss_scale", "find_state", "FusedState", "FlatGrads", "FusedGradientTransformation",
-           "PrecisionOptions", "moments", "MomentsView", "shard_optimizer", "gather_state", "scatter_state"]
+           "PrecisionOptions", "NotAParameter", "moments", "MomentsView", "shard_optimizer", "gather_state", "scatter_state"]

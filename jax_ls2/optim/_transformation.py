@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -17,6 +16,7 @@ from jax_ls2.optim import _abi as A
 from jax_ls2.optim import _ffi_calls, _per_leaf
 from jax_ls2.optim._layout import flatten, layout_of
 from jax_ls2.optim._options import PrecisionOptions, concrete_number, require
+from jax_ls2.optim._state_nodes import count_non_parameters
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
 
@@ -56,24 +56,24 @@ class FlatGrads(NamedTuple):
     """Gradients accumulated in one flat float32 buffer, shape (total,) in the
     parameters' flat layout (see ``jax_ls2.optim.accumulate``). ``meta``: None, or the
     FP8 meta updates of the accumulated micro-batches merged by max (a tree like
-    ``jax_ls2.fp8.split_meta`` gives), which only ``apply_updates(..., fp8=recipe)``
-    takes."""
+    ``jax_ls2.fp8.split_meta`` gives; see ``jax_ls2.fp8.accumulate_flat``), which only
+    ``jax_ls2.fp8.apply_updates(..., fp8=recipe)`` takes."""
     buffer: jax.Array
     meta: Any = None
 
 
 def check_no_fp8_meta(fn: str, grads) -> None:
-    """Raises where FP8 meta updates (``jax_ls2.fp8``) would reach the optimizer's math."""
+    """Raises where FP8 meta updates (``jax_ls2.fp8``; any `NotAParameter` node) would
+    reach the optimizer's math."""
     if isinstance(grads, FlatGrads):
         if grads.meta is not None:
             raise TypeError(f"{fn}: the FlatGrads carry FP8 meta updates (FlatGrads.meta); apply them with "
-                            "jax_ls2.optim.apply_updates(..., fp8=recipe), or pass FlatGrads(acc.buffer)")
+                            "jax_ls2.fp8.apply_updates(..., fp8=recipe), or pass FlatGrads(acc.buffer)")
         return
-    fp8 = sys.modules.get("jax_ls2.fp8")  # none can exist unless jax_ls2.fp8 was imported
-    if fp8 is not None and fp8.count_metas(grads):
+    if count_non_parameters(grads):
         raise TypeError(f"{fn}: grads hold FP8 meta updates (DotMeta / FP8Meta), which are amax observations, "
                         "not gradients; take them out first with jax_ls2.fp8.apply_meta_updates (or "
-                        "split_meta), or use jax_ls2.optim.apply_updates / update_nnx with fp8=recipe")
+                        "split_meta), or use jax_ls2.fp8.apply_updates / update_nnx with fp8=recipe")
 
 
 class Config(NamedTuple):
