@@ -351,13 +351,16 @@ class TransformerEncoderLayer(_Block):
     __doc__ = """Encoder layer: self-attention + FFN, each with a residual.
 
     ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None,
-    output_copies=1, seq_first=False)``: x (batch, len, hidden) -> same shape, or (len,
+    output_copies=1, seq_first=False, decode=False)``: x (batch, len, hidden) -> same
+    shape, or (len,
     batch, hidden) with ``seq_first`` (the layout whose attention GEMMs need no
     transposes when attention is not one fused call; `TransformerEncoder` picks it);
     padding_mask bool (batch, len), True = token. Post-LN, ``output_copies=4`` returns the closing LayerNorm's
     output four times, which the next post-LN layer takes as its x (the inputs of its q,
     k, v projections and its residual): the backward kernel of that LayerNorm then sums
-    the four gradients instead of a separate pass.
+    the four gradients instead of a separate pass. ``decode=True``: self-attention on
+    ``attn``'s KV cache (``attn.init_cache(batch, max_len)`` first; see
+    `MultiHeadAttention`), as a causal language model decodes.
     """ + _DOC_ARGS
     _owner = "TransformerEncoderLayer"
     _cross = False
@@ -368,11 +371,13 @@ class TransformerEncoderLayer(_Block):
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None, rngs=None, output_copies: int = 1,
-                 seq_first: bool = False):
+                 seq_first: bool = False, decode: bool = False):
         x = self._check_copies(x, output_copies)
         self._check_tensor_axis(x, seq_first)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         attn_kw = dict(padding_mask=padding_mask, causal=causal, seq_first=seq_first)
+        if decode:
+            attn_kw["decode"] = True
         x = self._residual(self._attn_sub(self.attn, det, k_attn, **attn_kw), x, self.attn_ln, det, k_r1,
                            uses=self._qkv_uses, next_uses=2, seq_first=seq_first,
                            fused=self._attn_fused(self.attn, det, k_attn, **attn_kw))
