@@ -20,9 +20,9 @@ from jax_ls2.nn import _ops_compat as ops
 from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
                                 tensor_axis_size)
-from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
-                                     column_parallel_linear, row_parallel_linear)
+from jax_ls2.parallel.tensor import ColumnParallelLinear, RowParallelLinear, bound_axis_size
 from jax_ls2.nn.attention import MultiHeadAttention
+from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
 
@@ -288,28 +288,17 @@ class _Block(nnx.Module):
         return fused
 
     def _ffn(self, h, det, key, seq_first):
-        if self.config.tensor_axis is not None:
-            return self._tensor_parallel_ffn(h, det, key)
-        if self._fp8_fusable_ffn(det):
-            return self._fp8_mlp(h)[:2]
-        y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
-        y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det, seq_first=seq_first,
-                                 shard_spec=self._shard_spec(y.ndim, None))
-        return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
-
-    def _tensor_parallel_ffn(self, h, det, key):
-        """Megatron MLP: column-parallel fc1, the fused bias + activation + dropout on the
-        FFN features split over the tensor axis (the unsplit layer's mask, nothing
-        gathered), row-parallel fc2. Returns (y, fc2 bias) as `matmul`."""
+        """The FFN as `jax_ls2.nn.mlp.mlp_forward` (Megatron's with ``tensor_axis``: the
+        fused bias + activation + dropout on the FFN features split over the tensor axis,
+        the unsplit layer's mask, nothing gathered), or one `fp8_mlp` (FP8 without
+        activation dropout). Returns (y, fc2 bias) as `matmul`."""
         c = self.config
-        kw = dict(axis_name=c.tensor_axis, sequence_dim=self._seq_dim, dtype=self.dtype)
-        w1, b1 = self.fc1.kernel[...], self.fc1.bias[...]
-        y = column_parallel_linear(h, w1, None, **kw)
-        a = ops.bias_act_dropout(y, b1.astype(y.dtype), activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det, shard_spec=self._shard_spec(y.ndim, y.ndim - 1))
-        w2, b2 = self.fc2.kernel[...], self.fc2.bias[...]
-        return row_parallel_linear(a, w2, None, **kw), b2.astype(promoted_dtype(self.dtype, a, w2, b2))
+        if c.tensor_axis is None and self._fp8_fusable_ffn(det):
+            return self._fp8_mlp(h)[:2]
+        return mlp_forward(h, self.fc1, self.fc2, activation=self.activation, rate=self.activation_dropout, key=key,
+                           deterministic=det, dtype=self.dtype, fp8=(self._fc_gemm("fc1"), self._fc_gemm("fc2")),
+                           tensor_axis=c.tensor_axis, sequence_dim=self._seq_dim, shard_spec=self._shard_spec,
+                           seq_first=seq_first)
 
     def _attn_sub(self, mha, det, key, **kw):
         def sub(h):
