@@ -32,13 +32,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ls2.nn._common import check_hidden, check_positive_int, check_rate, draw_key, resolve_deterministic
+from jax_ls2.fp8 import FP8DotMeta
+from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_hidden, check_positive_int, check_rate, draw_key,
+                                resolve_deterministic)
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON
 from jax_ls2.nn.layers import LayerNorm
+from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.rms_norm import RMSNorm
 from jax_ls2.nn.rope import RotaryConfig
-from jax_ls2.ops import dropout, gated_act_dropout
+from jax_ls2.ops import dropout
 from jax_ls2.ops.gated_act import ACTIVATIONS as GATED_ACTIVATIONS
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
@@ -55,7 +58,8 @@ INIT_STDDEV = 0.02
 class DecoderLayer(MultiHeadAttention):
     """Pre-norm decoder block (see the module docstring): a `MultiHeadAttention` (its
     ``qkv`` and ``out`` at the layer's top level, the checkpoints' layout) with its
-    norms and gated MLP around it.
+    norms and gated MLP (`jax_ls2.nn.mlp.mlp_forward` over ``gate_up`` and ``down``)
+    around it.
 
     Args:
       hidden_size, ffn_size, num_heads: model width, gated-MLP width (the ``up`` width),
@@ -77,6 +81,13 @@ class DecoderLayer(MultiHeadAttention):
       deterministic: dropout default (``model.train()`` / ``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       kernel_init: the projections' initializer (N(0, 0.02) as Hugging Face's LLaMA).
+      fp8: None or a `jax_ls2.fp8.DelayedScaling`: the four weight GEMMs (qkv, out,
+        gate_up, down) through `jax_ls2.fp8.fp8_dot`, metas ``qkv_fp8``, ``out_fp8``,
+        ``gate_up_fp8``, ``down_fp8`` (``FP8Meta`` variables, not params);
+        fp8_amax_axes: their amax reduction axes inside ``shard_map``.
+      sequence_axis, sequence_balance: the sequence split over that mesh axis, attention
+        through ring attention (as `MultiHeadAttention`'s; "zigzag" balances the causal
+        work).
       rngs: ``nnx.Rngs`` (params from ``params``, dropout keys from ``dropout``).
 
     ``__call__(x, *, positions=None, segment_ids=None, deterministic=None, rngs=None,
@@ -95,7 +106,9 @@ class DecoderLayer(MultiHeadAttention):
                  interleaved: bool = False, attn_dropout: float = 0.0, activation_dropout: float = 0.0,
                  hidden_dropout: float = 0.0, attention_backend: str = "auto",
                  deterministic: bool | None = None, dtype=None,
-                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), fp8=None,
+                 fp8_amax_axes=(), sequence_axis: str | None = None, sequence_balance: str = "none",
+                 rngs: nnx.Rngs):
         o = self._owner
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_heads", num_heads)):
             check_positive_int(o, name, value)
@@ -121,7 +134,8 @@ class DecoderLayer(MultiHeadAttention):
         super().__init__(hidden_size, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, use_bias=False,
                          rotary=rotary, attn_dropout=attn_dropout, attention_backend=attention_backend,
                          deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-                         rngs=rngs)
+                         fp8=fp8, fp8_amax_axes=fp8_amax_axes, sequence_axis=sequence_axis,
+                         sequence_balance=sequence_balance, rngs=rngs)
         self.ffn_size, self.norm, self.activation = ffn_size, norm, activation
         self.rope_theta, self.interleaved, self.rope_scaling = float(rope_theta), interleaved, rope_scaling
         self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
@@ -136,6 +150,15 @@ class DecoderLayer(MultiHeadAttention):
         self.mlp_norm = make_norm()
         self.gate_up = nnx.Linear(hidden_size, 2 * ffn_size, **lin)
         self.down = nnx.Linear(ffn_size, hidden_size, **lin)
+        if fp8 is not None:
+            check_fp8(o, fp8, fp8_amax_axes, {"ffn_size": ffn_size})
+            self.gate_up_fp8, self.down_fp8 = FP8DotMeta(fp8), FP8DotMeta(fp8)
+
+    def _mlp_gemms(self):
+        """The `FP8Gemm` s of ``gate_up`` and ``down`` (Nones without fp8)."""
+        if self.fp8 is None:
+            return None, None
+        return tuple(FP8Gemm(m, self.fp8, self.fp8_amax_axes) for m in (self.gate_up_fp8, self.down_fp8))
 
     def _keys(self, det, rngs):
         if det or not (self.attn_dropout or self.activation_dropout or self.hidden_dropout):
@@ -157,7 +180,7 @@ class DecoderLayer(MultiHeadAttention):
         a = self.output(ctx)[0]
         a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout)
         h, x = self.mlp_norm(a, residual=x.astype(a.dtype))
-        y = gated_act_dropout(self.gate_up(h), activation=self.activation, rate=self.activation_dropout,
-                              key=k_act, deterministic=det or not self.activation_dropout)
-        y = self.down(y)
+        y = mlp_forward(h, self.gate_up, self.down, activation=self.activation, rate=self.activation_dropout,
+                        key=k_act, deterministic=det or not self.activation_dropout, dtype=self.dtype,
+                        fp8=self._mlp_gemms())[0]
         return x + dropout(y, rate=self.hidden_dropout, key=k_res2, deterministic=det or not self.hidden_dropout)
