@@ -280,7 +280,7 @@ TENSOR_FAMILIES = ("bert", "gpt", "transformer")
 TEXT_FAMILIES = ("bert", "gpt", "llama")
 """The families trained on token sequences of at most ``max_len`` (`flax_models.data`)."""
 
-SEQ_FAMILIES = ("bert", "gpt")
+SEQ_FAMILIES = ("bert", "gpt", "llama")
 """The families whose layers and loss run on sequence parts over the seq axis
 (``Config.sequence_axis``), attention through ring attention."""
 
@@ -364,8 +364,9 @@ def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_l
         p.error(f"--mesh: {name} does not divide --seq {seq_len}; use a sequence length that is a multiple "
                 f"of {size}")
     if args.sequence_balance == "zigzag":
-        if cfg.family != "gpt":
-            p.error(f"--sequence-balance zigzag balances causal attention (gpt), not {cfg.family}'s; leave it out")
+        if cfg.family not in ("gpt", "llama"):
+            p.error(f"--sequence-balance zigzag balances causal attention (gpt), not {cfg.family}'s; it applies "
+                    "to gpt and llama; leave it out")
         if seq_len % (2 * size):
             p.error(f"--mesh: {name} with --sequence-balance zigzag needs --seq a multiple of {2 * size} "
                     f"(2 x seq), got {seq_len}")

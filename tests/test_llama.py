@@ -202,9 +202,6 @@ def test_decoder_layer_rejects_bad_inputs():
         layer(x, segment_ids=jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"DecoderLayer: decode=True needs a cache; call init_cache"):
         layer(x, decode=True)
-    with pytest.raises(ValueError, match="Llama: cfg.fp8 is not supported"):
-        from jax_ls2.fp8 import DelayedScaling
-        fm.build(fm.get_config("llama", fp8=DelayedScaling()), impl="ls2")
 
 
 def test_presets_and_parameter_counts():
