@@ -56,10 +56,6 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if cfg.tensor_axis is not None or cfg.sequence_parallel:
-            raise ValueError("Llama: cfg.tensor_axis / cfg.sequence_parallel are not supported by the LLaMA-family "
-                             "model (no tensor-parallel decoder layers); leave tensor_axis=None and "
-                             "sequence_parallel=False")
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.cfg, self.dtype = cfg, dtype
         scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0
@@ -69,6 +65,8 @@ class Llama(nnx.Module):
             opts["fp8"] = cfg.fp8
         if cfg.sequence_axis is not None:
             opts.update(sequence_axis=cfg.sequence_axis, sequence_balance=cfg.sequence_balance)
+        if cfg.tensor_axis is not None:
+            opts.update(tensor_axis=cfg.tensor_axis, sequence_parallel=cfg.sequence_parallel)
         self.layers = nnx.List([lib.DecoderLayer(cfg.hidden_size, cfg.ffn_size, cfg.num_heads, **opts, **kw)
                                 for _ in range(cfg.num_layers)])
         if cfg.norm == "rms":
@@ -98,8 +96,15 @@ class Llama(nnx.Module):
         def run(layer, x):
             return layer(x, positions=positions, segment_ids=segment_ids, decode=decode)
         x = self.embed(input_ids)
+        if not isinstance(self.layers, nnx.List):  # pipeline stages (flax_models.pipeline.PipelinedDecoder)
+            if positions is not None or segment_ids is not None or decode:
+                raise ValueError("Llama: pipeline stages take no positions, segment_ids or decode; train on "
+                                 "unpacked rows")
+            return self.final_norm(self.layers(x))
         if self.cfg.sequence_axis is not None:
             x = split_sequence(x, self.cfg.sequence_axis)
+        if self.cfg.sequence_parallel and not decode:
+            x = split_sequence(x, self.cfg.tensor_axis)
         for layer in self.layers:
             x = remat_call(layer, run, x) if self.cfg.remat and not decode else run(layer, x)
         return self.final_norm(x)

@@ -272,10 +272,10 @@ def config_from(args):
 
 
 # ---------------------------------------------------------------------------- the mesh
-PIPE_FAMILIES = ("bert", "gpt")
+PIPE_FAMILIES = ("bert", "gpt", "llama")
 """The families whose layer stack runs as pipeline stages over the pipe axis
 (`flax_models.pipeline`)."""
-TENSOR_FAMILIES = ("bert", "gpt", "transformer")
+TENSOR_FAMILIES = ("bert", "gpt", "llama", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
 TEXT_FAMILIES = ("bert", "gpt", "llama")
 """The families trained on token sequences of at most ``max_len`` (`flax_models.data`)."""
@@ -301,7 +301,9 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
     except ValueError as e:
         p.error(f"--mesh: {e}")
     tensor = sizes[parallel.TENSOR]
-    for what, n in (("heads", cfg.num_heads), ("FFN width", cfg.ffn_size), ("vocabulary", cfg.vocab_size)):
+    kv_heads = (cfg.num_kv_heads or cfg.num_heads) if cfg.family == "llama" else cfg.num_heads
+    for what, n in (("heads", cfg.num_heads), ("key/value heads", kv_heads), ("FFN width", cfg.ffn_size),
+                    ("vocabulary", cfg.vocab_size)):
         if n % tensor:
             p.error(f"--mesh: tensor={tensor} does not divide the {n} {what} of {cfg.family}/{args.preset}; "
                     f"use a tensor size dividing {n}")

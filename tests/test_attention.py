@@ -113,8 +113,6 @@ def test_bad_settings_name_the_module():
         _mha(rotary={"theta": 1.0})
     with pytest.raises(ValueError, match=r"MultiHeadAttention: rotary_dim must be an even int from 2 to head_dim \(24\)"):
         _mha(rotary=nn.RotaryConfig(rotary_dim=5))
-    with pytest.raises(ValueError, match="MultiHeadAttention: tensor_axis needs num_kv_heads == num_heads"):
-        _mha(tensor_axis="tensor")
     x = jnp.ones((2, 5, H))
     with pytest.raises(ValueError, match="MultiHeadAttention: positions apply to rotary embeddings"):
         _mha(rotary=None)(x, positions=jnp.zeros((2, 5), jnp.int32))
@@ -124,3 +122,25 @@ def test_bad_settings_name_the_module():
         _mha()(x, decode=True)
     with pytest.raises(ValueError, match="MultiHeadAttention: init_cache applies to self-attention only"):
         _mha(self_attention=False, rotary=None).init_cache(2, 4)
+
+
+def test_tensor_parallel_grouped_layout():
+    """With tensor_axis, a grouped-query qkv kernel is (hidden, r + 2, kv_heads * d):
+    part j < r holds query head g * r + j of each group g; the layout is a permutation of
+    [q | k | v] that tensor_parallel_state applies and undoes."""
+    from jax_ls2.nn.attention import grouped_qkv, ungrouped_qkv
+    m = _mha(tensor_axis="tensor")
+    r = HEADS // KV
+    assert m.qkv.kernel.shape == (H, r + 2, KV * D)
+    w = jax.random.normal(jax.random.key(5), (H, (HEADS + 2 * KV) * D))
+    g = grouped_qkv(w, (r, KV, D))
+    q = w[:, :HEADS * D].reshape(H, HEADS, D)
+    for head in range(HEADS):
+        grp, j = divmod(head, r)
+        np.testing.assert_array_equal(g[:, j, grp * D:(grp + 1) * D], q[:, head])
+    np.testing.assert_array_equal(g[:, r], w[:, HEADS * D:(HEADS + KV) * D])
+    np.testing.assert_array_equal(ungrouped_qkv(g, (r, KV, D)), w)
+    one = _mha()
+    state = nn.tensor_parallel_state(nnx.state(one, nnx.Param), nnx.state(m, nnx.Param))
+    back = nn.tensor_parallel_state(state, nnx.state(one, nnx.Param))
+    np.testing.assert_array_equal(back["qkv"]["kernel"].get_value(), one.qkv.kernel.get_value())

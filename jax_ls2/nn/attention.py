@@ -33,6 +33,25 @@ __all__ = ["BACKENDS", "MultiHeadAttention", "RotaryConfig", "attention_core", "
            "explicit_gemm_path", "select_backend"]
 
 
+def grouped_qkv(a, groups):
+    """A fused ``[q | k | v]`` kernel (..., (r + 2) * m * d) (or its bias) in the
+    tensor-parallel grouped layout (..., r + 2, m * d), ``groups = (r, m, d)``: part j < r
+    holds query head g * r + j of each kv group g, then the keys and the values."""
+    r, m, d = groups
+    lead = a.shape[:-1]
+    q = jnp.swapaxes(a[..., :r * m * d].reshape(*lead, m, r, d), -3, -2).reshape(*lead, r, m * d)
+    kv = a[..., r * m * d:].reshape(*lead, 2, m * d)
+    return jnp.concatenate([q, kv], axis=-2)
+
+
+def ungrouped_qkv(a, groups):
+    """The inverse of `grouped_qkv`: (..., r + 2, m * d) -> (..., (r + 2) * m * d)."""
+    r, m, d = groups
+    lead = a.shape[:-2]
+    q = jnp.swapaxes(a[..., :r, :].reshape(*lead, r, m, d), -3, -2).reshape(*lead, r * m * d)
+    return jnp.concatenate([q, a[..., r:, :].reshape(*lead, 2 * m * d)], axis=-1)
+
+
 def _segment_mask(segment_ids):
     """bool (batch, 1, len, len): a token sees the tokens of its own segment."""
     return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
@@ -139,11 +158,13 @@ class MultiHeadAttention(nnx.Module):
       fp8_amax_axes: mesh axes of the amax reduction inside ``shard_map`` (see
         `jax_ls2.fp8.fp8_dot`'s ``amax_axes``).
       tensor_axis: None, or the mesh axis Megatron tensor parallelism splits the heads
-        over (num_heads a multiple of its size; num_kv_heads == num_heads and head_dim *
-        num_heads == hidden_size): ``qkv`` (``q``, ``kv``) become
+        over (num_kv_heads a multiple of its size): ``qkv`` (``q``, ``kv``) become
         `jax_ls2.parallel.ColumnParallelLinear` s with kernels ``(hidden, 3, hidden)``
         (``(hidden, hidden)``, ``(hidden, 2, hidden)``) and biases ``(3, hidden)``,
-        split on the last dim (whole heads per device), and ``out`` a
+        split on the last dim (whole heads per device); with r = num_heads /
+        num_kv_heads > 1 the ``qkv`` kernel is ``(hidden, r + 2, m * d)``: part j < r
+        holds query head ``g * r + j`` of each kv group g, parts r and r + 1 the keys
+        and values (`grouped_qkv`), so each device holds whole groups; ``out`` a
         `jax_ls2.parallel.RowParallelLinear`; each device attends with its heads and
         draws its heads' block of the unsplit layer's attention-dropout mask.
       sequence_parallel: with ``tensor_axis``, x and memory come split along the
@@ -194,10 +215,6 @@ class MultiHeadAttention(nnx.Module):
         check_tensor_parallel(o, tensor_axis, sequence_parallel, {"num_heads": num_heads})
         if tensor_axis is not None and fp8 is not None:
             raise ValueError(f"{o}: fp8 with tensor_axis is not supported; leave one of them unset")
-        if tensor_axis is not None and (num_kv_heads != num_heads or self.head_dim * num_heads != hidden_size):
-            raise ValueError(f"{o}: tensor_axis needs num_kv_heads == num_heads and head_dim * num_heads == "
-                             f"hidden_size, got num_kv_heads {num_kv_heads}, num_heads {num_heads}, head_dim "
-                             f"{self.head_dim}, hidden_size {hidden_size}")
         self.tensor_axis, self.sequence_parallel = tensor_axis, sequence_parallel
         if attention_backend not in BACKENDS:
             raise ValueError(f"{o}: attention_backend must be one of {BACKENDS}, "
@@ -212,12 +229,17 @@ class MultiHeadAttention(nnx.Module):
         kw = dict(use_bias=self.use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         if tensor_axis is not None:
             tp = dict(kw, tensor_axis=tensor_axis, sequence_dim=self._seq_dim)
+            r = num_heads // num_kv_heads
             if self_attention:
-                self.qkv = ColumnParallelLinear(hidden_size, (3, hidden_size), **tp)
+                self.qkv = ColumnParallelLinear(hidden_size, (r + 2, kv_size), **tp)
+                if r > 1:  # the grouped layout, told to tensor_parallel_state
+                    for var in (self.qkv.kernel, self.qkv.bias):
+                        if var is not None:
+                            var.set_metadata(qkv_groups=(r, num_kv_heads, self.head_dim))
             else:
-                self.q = ColumnParallelLinear(hidden_size, hidden_size, **tp)
-                self.kv = ColumnParallelLinear(hidden_size, (2, hidden_size), **tp)
-            self.out = RowParallelLinear(hidden_size, hidden_size, **tp)
+                self.q = ColumnParallelLinear(hidden_size, q_size, **tp)
+                self.kv = ColumnParallelLinear(hidden_size, (2, kv_size), **tp)
+            self.out = RowParallelLinear(q_size, hidden_size, **tp)
         elif self_attention:
             self.qkv = nnx.Linear(hidden_size, q_size + 2 * kv_size, **kw)
         else:
@@ -263,7 +285,8 @@ class MultiHeadAttention(nnx.Module):
     def _column(self, x, linear):
         """Tensor parallelism: ``x @ kernel + bias`` of a column-parallel projection,
         (..., hidden) -> (..., [parts,] this device's or the sharded heads * head_dim)."""
-        return column_parallel_linear(x, linear.kernel[...], linear.bias[...], axis_name=self.tensor_axis,
+        bias = None if linear.bias is None else linear.bias[...]
+        return column_parallel_linear(x, linear.kernel[...], bias, axis_name=self.tensor_axis,
                                       sequence_dim=self._seq_dim, dtype=self.dtype)
 
     def _heads(self, y):
@@ -457,7 +480,7 @@ class MultiHeadAttention(nnx.Module):
             return ctx.reshape(*ctx.shape[:-2], ctx.shape[-2] * self.head_dim)
         spec = None
         if self.tensor_axis is not None:
-            require_tensor_axis(o, self.tensor_axis, {"num_heads": self.num_heads})
+            require_tensor_axis(o, self.tensor_axis, {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads})
             if seq_first:
                 raise ValueError(f"{o}: tensor_axis needs batch-first x (seq_first=False)")
             if bound_axis_size(self.tensor_axis) is not None:  # this device's heads of the probabilities
@@ -549,7 +572,12 @@ class MultiHeadAttention(nnx.Module):
         """q, k, v (batch, len, heads here, head_dim) from column-parallel projections."""
         if self.self_attention:
             y = self._column(x, self.qkv)
-            return [self._heads(y[..., i, :]) for i in range(3)]
+            r = self.num_heads // self.num_kv_heads
+            if r == 1:
+                return [self._heads(y[..., i, :]) for i in range(3)]
+            q = y[..., :r, :].reshape(*y.shape[:-2], r, -1, self.head_dim)  # (..., r, groups here, d)
+            q = jnp.swapaxes(q, -3, -2).reshape(*y.shape[:-2], -1, self.head_dim)  # head g * r + j
+            return [q, self._heads(y[..., r, :]), self._heads(y[..., r + 1, :])]
         q = self._heads(self._column(x, self.q))
         if kv is None:
             if memory is None:

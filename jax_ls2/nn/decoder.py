@@ -34,7 +34,8 @@ from flax import nnx
 
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_hidden, check_positive_int, check_rate, draw_key,
-                                resolve_deterministic)
+                                require_tensor_axis, resolve_deterministic)
+from jax_ls2.parallel.tensor import ColumnParallelLinear, RowParallelLinear, bound_axis_size
 from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON
 from jax_ls2.nn.layers import LayerNorm
@@ -88,6 +89,11 @@ class DecoderLayer(MultiHeadAttention):
       sequence_axis, sequence_balance: the sequence split over that mesh axis, attention
         through ring attention (as `MultiHeadAttention`'s; "zigzag" balances the causal
         work).
+      tensor_axis, sequence_parallel: Megatron tensor (and sequence) parallelism over
+        that mesh axis: the attention's as `MultiHeadAttention`'s (num_kv_heads a
+        multiple of its size), ``gate_up`` a `jax_ls2.parallel.ColumnParallelLinear`
+        (hidden, (2, ffn)) and ``down`` a `RowParallelLinear`; under
+        ``sequence_parallel`` x comes split along the sequence over the tensor axis.
       rngs: ``nnx.Rngs`` (params from ``params``, dropout keys from ``dropout``).
 
     ``__call__(x, *, positions=None, segment_ids=None, deterministic=None, rngs=None,
@@ -108,7 +114,7 @@ class DecoderLayer(MultiHeadAttention):
                  deterministic: bool | None = None, dtype=None,
                  param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), fp8=None,
                  fp8_amax_axes=(), sequence_axis: str | None = None, sequence_balance: str = "none",
-                 rngs: nnx.Rngs):
+                 tensor_axis: str | None = None, sequence_parallel: bool = False, rngs: nnx.Rngs):
         o = self._owner
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_heads", num_heads)):
             check_positive_int(o, name, value)
@@ -135,7 +141,8 @@ class DecoderLayer(MultiHeadAttention):
                          rotary=rotary, attn_dropout=attn_dropout, attention_backend=attention_backend,
                          deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
                          fp8=fp8, fp8_amax_axes=fp8_amax_axes, sequence_axis=sequence_axis,
-                         sequence_balance=sequence_balance, rngs=rngs)
+                         sequence_balance=sequence_balance, tensor_axis=tensor_axis,
+                         sequence_parallel=sequence_parallel, rngs=rngs)
         self.ffn_size, self.norm, self.activation = ffn_size, norm, activation
         self.rope_theta, self.interleaved, self.rope_scaling = float(rope_theta), interleaved, rope_scaling
         self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
@@ -148,11 +155,29 @@ class DecoderLayer(MultiHeadAttention):
         lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.attn_norm = make_norm()
         self.mlp_norm = make_norm()
-        self.gate_up = nnx.Linear(hidden_size, 2 * ffn_size, **lin)
-        self.down = nnx.Linear(ffn_size, hidden_size, **lin)
+        if tensor_axis is None:
+            self.gate_up = nnx.Linear(hidden_size, 2 * ffn_size, **lin)
+            self.down = nnx.Linear(ffn_size, hidden_size, **lin)
+        else:
+            tp = dict(lin, tensor_axis=tensor_axis, sequence_dim=self._seq_dim)
+            self.gate_up = ColumnParallelLinear(hidden_size, (2, ffn_size), **tp)
+            self.down = RowParallelLinear(ffn_size, hidden_size, **tp)
         if fp8 is not None:
             check_fp8(o, fp8, fp8_amax_axes, {"ffn_size": ffn_size})
             self.gate_up_fp8, self.down_fp8 = FP8DotMeta(fp8), FP8DotMeta(fp8)
+
+    def _shard_spec(self, ndim: int, mlp: bool = False):
+        """Inside ``shard_map``, the fused dropout ops' ``shard_spec`` of a (batch, len,
+        ..., features) activation: its sequence dim over the sequence axis where that is
+        bound, or (not for the MLP's gathered rows) over the tensor axis under sequence
+        parallelism, so each device draws its block of the unsplit layer's mask; None
+        under ``jit`` (the ops see the sharding)."""
+        spec = [None] * ndim
+        if self.sequence_axis is not None and bound_axis_size(self.sequence_axis) is not None:
+            spec[1] = self.sequence_axis
+        elif not mlp and self.sequence_parallel and bound_axis_size(self.tensor_axis) is not None:
+            spec[1] = self.tensor_axis
+        return tuple(spec) if any(spec) else None
 
     def _mlp_gemms(self):
         """The `FP8Gemm` s of ``gate_up`` and ``down`` (Nones without fp8)."""
@@ -172,15 +197,21 @@ class DecoderLayer(MultiHeadAttention):
         check_hidden(o, x, self.hidden_size)
         if x.ndim != 3:
             raise ValueError(f"{o}: x must have shape (batch, len, {self.hidden_size}), got {tuple(x.shape)}")
+        if self.tensor_axis is not None:
+            require_tensor_axis(o, self.tensor_axis, {"ffn_size": self.ffn_size})
         det = resolve_deterministic(o, deterministic, self.deterministic)
         k_attn, k_act, k_res1, k_res2 = self._keys(det, rngs)
         h, x = self.attn_norm(x, return_input=True)
         ctx = self.context(h, causal=True, key=k_attn, deterministic=det or k_attn is None, positions=positions,
                            segment_ids=segment_ids, decode=decode)
         a = self.output(ctx)[0]
-        a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout)
+        spec = self._shard_spec(a.ndim)
+        a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout,
+                    shard_spec=spec)
         h, x = self.mlp_norm(a, residual=x.astype(a.dtype))
         y = mlp_forward(h, self.gate_up, self.down, activation=self.activation, rate=self.activation_dropout,
                         key=k_act, deterministic=det or not self.activation_dropout, dtype=self.dtype,
-                        fp8=self._mlp_gemms())[0]
-        return x + dropout(y, rate=self.hidden_dropout, key=k_res2, deterministic=det or not self.hidden_dropout)
+                        fp8=self._mlp_gemms(), tensor_axis=self.tensor_axis, sequence_dim=self._seq_dim,
+                        shard_spec=lambda ndim, dim: self._shard_spec(ndim, mlp=True))[0]
+        return x + dropout(y, rate=self.hidden_dropout, key=k_res2, deterministic=det or not self.hidden_dropout,
+                           shard_spec=spec)

@@ -17,11 +17,11 @@ from flax.nnx.nn import dtypes
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2.nn import _ops_compat as ops
-from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
+from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
                                 tensor_axis_size)
 from jax_ls2.parallel.tensor import ColumnParallelLinear, RowParallelLinear, bound_axis_size
-from jax_ls2.nn.attention import MultiHeadAttention
+from jax_ls2.nn.attention import MultiHeadAttention, grouped_qkv, ungrouped_qkv
 from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
@@ -457,8 +457,21 @@ def tensor_parallel_state(state, like):
     """``state`` (a module's ``nnx.State``) with each leaf reshaped to ``like``'s leaf at the
     same path: an unsplit model's parameters in the layout of the same model built with
     ``tensor_axis`` (``like``: its state; the fused projections' ``(hidden, parts *
-    hidden)`` kernels become ``(hidden, parts, hidden)``), or back. Values are unchanged."""
-    values = jax.tree.map(lambda a, b: a.reshape(b.shape), nnx.to_pure_dict(state), nnx.to_pure_dict(like))
+    hidden)`` kernels become ``(hidden, parts, hidden)``, a grouped-query ``qkv`` its
+    grouped layout, see `jax_ls2.nn.attention.grouped_qkv`), or back. Values are unchanged."""
+    def groups(tree):
+        return {path: v.get_metadata()["qkv_groups"] for path, v in nnx.to_flat_state(tree)
+                if isinstance(v, nnx.Variable) and "qkv_groups" in v.get_metadata()}
+    to_split, from_split = groups(like), groups(state)
+
+    def convert(path, a, b):
+        key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        if key in to_split and key not in from_split:
+            return grouped_qkv(a, to_split[key])
+        if key in from_split and key not in to_split:
+            return ungrouped_qkv(a, from_split[key])
+        return a.reshape(b.shape)
+    values = jax.tree_util.tree_map_with_path(convert, nnx.to_pure_dict(state), nnx.to_pure_dict(like))
     out = jax.tree.map(lambda a: a, like)
     nnx.replace_by_pure_dict(out, values)
     return out

@@ -21,8 +21,8 @@ from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_fp8_device, check_hidd
 from jax_ls2.ops import gated_act_dropout
 from jax_ls2.ops.dropout import ACTIVATIONS as PLAIN_ACTIVATIONS
 from jax_ls2.ops.gated_act import ACTIVATIONS as GATED_ACTIVATIONS
-from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
-                                     row_parallel_linear)
+from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
+                                     column_parallel_linear, row_parallel_linear)
 
 MLP_ACTIVATIONS = PLAIN_ACTIVATIONS + GATED_ACTIVATIONS
 
@@ -62,12 +62,17 @@ def mlp_forward(h, fc1, fc2, *, activation: str, rate: float = 0.0, key=None, de
         w1 = fc1.kernel[...]
         y = column_parallel_linear(h, w1, None, **kw)
         if gated:
-            if rate and not deterministic:
-                raise ValueError("MLP: activation_dropout with a gated activation and tensor_axis is not supported "
-                                 "(the gated op draws its mask over whole rows); set activation_dropout=0")
+            active = rate > 0 and not deterministic
+            if active and bound_axis_size(tensor_axis) is not None:
+                raise ValueError("MLP: activation_dropout with a gated activation inside shard_map over the tensor "
+                                 "axis is not supported (the gated op numbers its mask over whole rows); call the "
+                                 "layer under jit with the mesh set, or set activation_dropout=0")
             if fc1.bias is not None:
                 y = y + fc1.bias[...].astype(y.dtype)
-            a = gated_act_dropout(y.reshape(*y.shape[:-2], -1), activation=activation, rate=0.0, deterministic=True)
+            # [gate | up] of this device's features inside shard_map; under jit the
+            # partitioner regroups the whole rows the op takes.
+            a = gated_act_dropout(y.reshape(*y.shape[:-2], -1), activation=activation, rate=rate if active else 0.0,
+                                  key=key if active else None, deterministic=not active)
         else:
             b1 = fc1.bias[...]
             a = ops.bias_act_dropout(y, b1.astype(y.dtype), activation=activation, rate=rate, key=key,
