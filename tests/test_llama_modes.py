@@ -1,5 +1,10 @@
 """The LLaMA family in the library's modes: FP8 GEMMs (``--fp8``) tracking bf16 for 50
-steps of the tiny model, with the FP8 meta beside unchanged params."""
+steps of the tiny model, with the FP8 meta beside unchanged params; the training command
+on a pipe x data x seq x tensor mesh of 16 CPU devices printing the one-device losses."""
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -7,7 +12,8 @@ from flax import nnx
 
 import flax_models as fm
 from jax_ls2 import fp8
-from train_runs import run_main
+from numerics import xla_flags_with_devices
+from train_runs import printed_losses, run_main
 
 STEPS = 50
 
@@ -38,3 +44,20 @@ def test_llama_fp8_has_a_meta_per_gemm_and_the_bf16_params():
     bf16 = fm.build(cfg.replace(fp8=None), impl="ls2")
     assert jax.tree.structure(nnx.state(model, nnx.Param)) == jax.tree.structure(nnx.state(bf16, nnx.Param))
     assert fp8.count_metas(bf16) == 0
+
+
+def test_command_on_a_4d_mesh_of_16_devices():
+    """``python -m flax_models.train --model llama ... --mesh pipe=2,data=2,seq=2,tensor=2
+    --zero1``: layers as pipeline stages, grouped-query heads and the MLP over tensor, the
+    sequence through the ring, the optimizer state over data."""
+    run = ["--model", "llama", "--preset", "tiny", "--batch", "8", "--seq", "16", "--steps", "3", "--eval-every",
+           "0", "--log-every", "1"]
+    _, want_out = run_main(run)
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(16), JAX_PLATFORMS="cpu")
+    mesh = "pipe=2,data=2,seq=2,tensor=2"
+    done = subprocess.run([sys.executable, "-m", "flax_models.train", *run, "--mesh", mesh, "--zero1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"mesh {mesh} (16 devices, 1 processes)" in done.stdout, done.stdout
+    assert len(printed_losses(done.stdout, 3)) == 3
+    assert printed_losses(done.stdout, 3) == printed_losses(want_out, 3)
