@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax_ls2._deprecation import renamed
 from jax_ls2.nn.config import EPSILON
 
 
@@ -98,6 +99,7 @@ class Config:
                 else {"tensor_axis": self.tensor_axis, "sequence_parallel": self.sequence_parallel})
 
     def replace(self, **kw) -> "Config":
+        kw = renamed("Config.replace", kw, layer_norm_eps="epsilon")  # layer_norm_eps= until 2e8e4ee
         unknown = set(kw) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"Config: unknown fields {sorted(unknown)}")

@@ -84,16 +84,17 @@ def read_hf(path_or_dir: str) -> tuple[dict[str, jnp.ndarray], dict[str, Any]]:
     file with ``config.json`` beside it. Returns ({key: jax array in the stored dtype},
     config dict).
     """
-    from safetensors.flax import load_file
-
     if os.path.isdir(path_or_dir):
         folder, single = path_or_dir, os.path.join(path_or_dir, WEIGHTS_NAME)
         index = os.path.join(path_or_dir, INDEX_NAME)
         if os.path.exists(single):
             files = [single]
         elif os.path.exists(index):
-            with open(index) as f:
-                files = [os.path.join(folder, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+            weight_map = _read_json(folder, index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise _unreadable(folder, index, "its weight_map must be a JSON object of {key: file name}, got "
+                                                 f"{type(weight_map).__name__}")
+            files = [os.path.join(folder, n) for n in sorted(set(weight_map.values()))]
         else:
             raise FileNotFoundError(f"read_hf: path_or_dir {path_or_dir!r} holds neither "
                                     f"{WEIGHTS_NAME} nor {INDEX_NAME}")
@@ -106,12 +107,43 @@ def read_hf(path_or_dir: str) -> tuple[dict[str, jnp.ndarray], dict[str, Any]]:
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"read_hf: expected {CONFIG_NAME} next to the weights, "
                                 f"got no {cfg_path!r}")
-    with open(cfg_path) as f:
-        hf_config = json.load(f)
+    hf_config = _read_json(folder, cfg_path)
     tensors: dict[str, jnp.ndarray] = {}
     for file in files:
-        tensors.update(load_file(file))
+        tensors.update(_load_safetensors(folder, file))
     return tensors, hf_config
+
+
+def _unreadable(folder, file, reason) -> ValueError:
+    return ValueError(f"read_hf: {folder!r} is not a readable Hugging Face checkpoint: {os.path.basename(file)} "
+                      f"({file}): {reason}")
+
+
+def _read_json(folder, file) -> dict:
+    """A JSON object from ``file``, or a ValueError naming the folder and the file."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _unreadable(folder, file, f"{type(e).__name__}: {e}") from e
+    if not isinstance(value, dict):
+        raise _unreadable(folder, file, f"must hold a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+def _load_safetensors(folder, file) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.flax import load_file
+
+    if not os.path.isfile(file):
+        raise _unreadable(folder, file, ("a directory, not a file" if os.path.isdir(file) else "not a regular file")
+                          if os.path.exists(file) else "missing")
+    try:
+        return load_file(file)
+    except (OSError, SafetensorError, ValueError) as e:
+        size = os.path.getsize(file)
+        raise _unreadable(folder, file, f"{type(e).__name__}: {e} (file of {size} bytes; truncated, empty or an "
+                                        f"edited header?)") from e
 
 
 # --------------------------------------------------------------------------- configs
@@ -463,11 +495,16 @@ def _llama_config_from_hf(fn, hf) -> Config:
     _require(fn, hf, "attention_bias", [False])
     _require(fn, hf, "mlp_bias", [False])
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{fn}: config.json num_key_value_heads ({kv_heads!r}) must be a positive int dividing "
+                         f"num_attention_heads ({heads!r}): grouped-query attention shares each kv head by a "
+                         f"whole group of query heads")
     head_dim = hf.get("head_dim") or h // heads
     theta, scaling = _llama_rope_from_hf(fn, hf)
     return get_config("llama").replace(
         vocab_size=hf["vocab_size"], hidden_size=h, num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim * heads == h else head_dim,
+        num_kv_heads=kv_heads, head_dim=0 if head_dim * heads == h else head_dim,
         ffn_size=hf["intermediate_size"], max_len=hf.get("max_position_embeddings", 2048),
         epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), attn_dropout=hf.get("attention_dropout", 0.0),
@@ -526,6 +563,18 @@ def _joined_hf_shapes(kind, shape):
 # --------------------------------------------------------------------------- models
 
 
+def _check_float_dtype(fn, name, value):
+    if value is None:
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"{fn}: {name} must be a floating dtype (jnp.float32, jnp.bfloat16, ...) or None, "
+                        f"got {value!r}")
+
+
 def import_hf(family: str, path_or_dir: str, *, impl: str = "ls2", dtype=None,
               param_dtype=None, train: bool = False, **overrides):
     """An HF checkpoint as one of our models.
@@ -544,6 +593,8 @@ def import_hf(family: str, path_or_dir: str, *, impl: str = "ls2", dtype=None,
     import flax_models
 
     family = _family("import_hf", family)
+    for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+        _check_float_dtype("import_hf", name, value)
     tensors, hf_config = read_hf(path_or_dir)
     cfg = config_from_hf(family, hf_config, **overrides)
     params = hf_to_params(family, tensors, cfg)

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jax_ls2.nn as ls2_nn
@@ -192,6 +193,20 @@ def _generate(graphdef, cache, rest, prompt, key, *, steps, temperature):
     return jnp.concatenate([first[:, None], rest_tokens.T], axis=1), cache
 
 
+def _check_key(key):
+    """One JAX PRNG key: a typed scalar key (``jax.random.key``) or a legacy uint32[2]."""
+    if not isinstance(key, (jax.Array, np.ndarray)):
+        raise TypeError(f"generate: key must be one JAX PRNG key (jax.random.key(seed)), got "
+                        f"{type(key).__name__} {key!r}")
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"generate: key must be one JAX PRNG key (shape ()), got a batch of keys of shape "
+                             f"{tuple(key.shape)}")
+    elif key.dtype != np.uint32 or key.shape != (2,):
+        raise ValueError(f"generate: key must be one JAX PRNG key (jax.random.key(seed), or a legacy uint32[2] "
+                         f"from jax.random.PRNGKey), got {key.dtype}{tuple(key.shape)}")
+
+
 def generate(model, prompt, steps: int, *, temperature: float = 0.0, key=None, max_len: int | None = None,
              cache_dtype=None):
     """Tokens int32 (batch, steps) following ``prompt`` int (batch, t).
@@ -203,14 +218,21 @@ def generate(model, prompt, steps: int, *, temperature: float = 0.0, key=None, m
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"generate: steps must be a positive int, got {steps!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+        raise TypeError(f"generate: temperature must be a Python or NumPy real number, got "
+                        f"{type(temperature).__name__} {temperature!r}")
     if not temperature >= 0.0:
         raise ValueError(f"generate: temperature must be >= 0, got {temperature!r}")
     if temperature > 0.0 and key is None:
         raise ValueError("generate: temperature > 0 samples and needs key (a JAX PRNG key)")
+    if key is not None:
+        _check_key(key)
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"generate: prompt must be integer (batch, len), got {prompt.dtype}{tuple(prompt.shape)}")
     b, t = prompt.shape
+    if b == 0 or t == 0:
+        raise ValueError(f"generate: prompt must hold at least one row and one token, got shape {(b, t)}")
     if max_len is not None and max_len < t + steps:
         raise ValueError(f"generate: max_len must hold the prompt and the new tokens ({t} + {steps}), got {max_len}")
     decoder = init_cache(model, b, max_len or t + steps, cache_dtype)

@@ -398,6 +398,49 @@ class FusedKernel:
         return once
 
 
+def _in_forward_mode(x) -> bool:
+    """Whether `x` carries a nonzero forward-mode tangent, looking through ``vmap``'s
+    tracers (``jax.jacfwd`` is a vmap of jvp; a vmap inside a jvp wraps the tangent's
+    tracer). A reverse-mode tracer (jax.grad's) stops the search: differentiating a
+    gradient is the second-derivative case, which the kernels refuse themselves."""
+    while True:
+        if isinstance(x, jax.interpreters.ad.JVPTracer):
+            return not isinstance(x.tangent, jax.interpreters.ad.Zero)
+        if isinstance(x, jax.core.Tracer) and hasattr(x, "batch_dim") and hasattr(x, "val"):  # vmap's tracer
+            x = x.val
+            continue
+        return False
+
+
+class fused_vjp(jax.custom_vjp):
+    """``jax.custom_vjp`` for a fused op, which defines reverse mode only: forward-mode
+    autodiff of it (``jax.jvp``, ``jax.jacfwd``, a JVP inside ``jit``) raises a
+    NotImplementedError naming the op and the plain-JAX formula to use instead of JAX's
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
+
+    Use as ``@functools.partial(fused_vjp, nondiff_argnums=(3,), op="layer_norm",
+    plain="...")``. The check sees the arguments as they reach the op; forward mode
+    applied outside a ``jit``, ``scan`` or ``checkpoint`` that holds the op reaches it
+    through a jaxpr and still gives JAX's message.
+    """
+
+    def __new__(cls, fun, nondiff_argnums=(), *, op: str, plain: str):
+        return super().__new__(cls, fun, nondiff_argnums)
+
+    def __init__(self, fun, nondiff_argnums=(), *, op: str, plain: str):
+        super().__init__(fun, nondiff_argnums=nondiff_argnums)
+        self.op = op
+        self.plain = plain
+
+    def __call__(self, *args, **kwargs):
+        if any(_in_forward_mode(x) for x in jax.tree.leaves((args, kwargs))):
+            raise NotImplementedError(
+                f"{self.op}: forward-mode autodiff (jax.jvp, jax.jacfwd) is not supported: jax_ls2's fused ops "
+                f"define reverse mode only (jax.grad, jax.vjp, jax.jacrev work); where a JVP is needed use the "
+                f"plain-JAX formula, {self.plain}")
+        return super().__call__(*args, **kwargs)
+
+
 def forget_choices() -> None:
     """Forgets the implementation every kernel chose when first traced, so the next
     trace reads ``JAX_LS2_IMPL`` and the extension's state again (jitted functions

@@ -43,6 +43,46 @@ _T_CONFTEST = time.time()
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# Tests marked `optimized_cpu_code` spend their time running programs (training runs),
+# not compiling them: for them XLA optimises its CPU code after all (the SR convergence
+# run of tests/test_optim.py took 37 s instead of 59 s). The option reaches XLA through
+# the compile options of each program, since XLA reads XLA_FLAGS once per process.
+_OPTIMIZED_CPU_CODE = {"on": False}
+
+
+def _wrap_compile_options():
+    from jax._src import compiler
+    plain = getattr(compiler, "get_compile_options", None)
+    if plain is None:
+        return
+
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        if _OPTIMIZED_CPU_CODE["on"]:
+            env_options_overrides = dict(env_options_overrides or {})
+            env_options_overrides.setdefault("xla_backend_optimization_level", 2)
+        return plain(*args, env_options_overrides=env_options_overrides, **kwargs)
+    compiler.get_compile_options = get_compile_options
+
+
+if "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]:
+    _wrap_compile_options()
+
+
+@pytest.fixture(autouse=True)
+def _optimized_cpu_code(request, monkeypatch):
+    """Turns XLA's CPU optimisations back on for an `optimized_cpu_code` test, in this
+    process and in the subprocesses it starts (they read XLA_FLAGS)."""
+    if request.node.get_closest_marker("optimized_cpu_code") is None:
+        yield
+        return
+    flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "--xla_backend_optimization_level=2")
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    _OPTIMIZED_CPU_CODE["on"] = True
+    try:
+        yield
+    finally:
+        _OPTIMIZED_CPU_CODE["on"] = False
+
 _PROFILE_DIR = os.environ.get("JAX_LS2_TEST_PROFILE")
 _PROFILE = {"compiles": 0, "backend_compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0}
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "backend_compile_s",

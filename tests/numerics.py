@@ -81,3 +81,25 @@ def xla_flags_with_devices(n: int) -> str:
     import re
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     return f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
+
+
+def assert_renamed_keyword(call_old, call_new, owner, old, new):
+    """`call_old()` (the old spelling of a renamed keyword) warns once, a DeprecationWarning
+    naming the new keyword, then works silently; both give what `call_new()` gives, and
+    giving both spellings is a TypeError. Returns the result."""
+    import warnings
+
+    import pytest
+
+    from jax_ls2 import _deprecation
+    _deprecation._warned.discard((owner, old))
+    with pytest.warns(DeprecationWarning, match=rf"^{owner}: the keyword {old}= is deprecated, renamed {new}="):
+        first = call_old()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = call_old()
+    want = call_new()
+    for got in (first, second):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return first

@@ -198,6 +198,58 @@ def test_errors():
         convert.export_hf([1, 2], cfg, "/nonexistent")
 
 
+def _broken(name):
+    """(file, edit) pairs that leave a copy of the gpt fixture unreadable."""
+    def edit_header(path):
+        data = bytearray(path.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        header = bytes(data[8:8 + n])
+        at = header.index(b"data_offsets") + len(b'data_offsets":[')
+        data[8 + at] = ord("9")  # one offset digit changed: the offsets no longer tile the buffer
+        path.write_bytes(bytes(data))
+
+    def as_directory(path):
+        path.unlink()
+        path.mkdir()
+
+    return {
+        "config not JSON": ("config.json", lambda p: p.write_text("{'vocab_size': 3,")),
+        "config a list": ("config.json", lambda p: p.write_text("[1, 2]")),
+        "weights truncated": ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:-100])),
+        "weights empty": ("model.safetensors", lambda p: p.write_bytes(b"")),
+        "weights header edited": ("model.safetensors", edit_header),
+        "weights a directory": ("model.safetensors", as_directory),
+    }[name]
+
+
+@pytest.mark.parametrize("case", ["config not JSON", "config a list", "weights truncated", "weights empty",
+                                  "weights header edited", "weights a directory"])
+def test_unreadable_checkpoint_names_the_folder_and_the_file(case, tmp_path):
+    import shutil
+    folder = tmp_path / "ckpt"
+    shutil.copytree(fixture("gpt"), folder)
+    name, edit = _broken(case)
+    edit(folder / name)
+    want = rf"read_hf: '{folder}' is not a readable Hugging Face checkpoint: {name} \("
+    with pytest.raises(ValueError, match=want):
+        convert.read_hf(str(folder))
+    with pytest.raises(ValueError, match=want):
+        convert.import_hf("gpt", str(folder), impl="plain")
+
+
+def test_import_hf_refuses_kv_heads_not_dividing_heads_and_bad_dtypes(tmp_path):
+    _, hf_cfg = convert.read_hf(fixture("llama"))
+    with pytest.raises(ValueError, match=r"config_from_hf: config.json num_key_value_heads \(3\) must be a positive "
+                                         r"int dividing num_attention_heads \(4\)"):
+        convert.config_from_hf("llama", {**hf_cfg, "num_key_value_heads": 3})
+    for kw in (dict(dtype="foo"), dict(param_dtype=jnp.int32)):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"import_hf: {name} must be a floating dtype"):
+            convert.import_hf("gpt", fixture("gpt"), impl="plain", **kw)
+    cfg, _ = convert.import_hf("gpt", fixture("gpt"), impl="plain", dtype="bfloat16")  # a dtype name is fine
+    assert cfg.vocab_size > 0
+
+
 def test_read_sharded_checkpoint(tmp_path):
     tensors, hf_cfg = convert.read_hf(fixture("gpt"))
     keys = sorted(tensors)

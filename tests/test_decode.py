@@ -167,6 +167,29 @@ def test_decode_errors():
         decode.for_decoding(_model("bert", "plain"))
 
 
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(temperature="0.7", key=jax.random.key(0)), TypeError, "generate: temperature must be a Python or NumPy real"),
+    (dict(temperature=None), TypeError, "generate: temperature must be a Python or NumPy real number, got NoneType"),
+    (dict(temperature=0.7, key=jax.random.split(jax.random.key(0), 2)), ValueError,
+     r"generate: key must be one JAX PRNG key \(shape \(\)\), got a batch of keys of shape \(2,\)"),
+    (dict(temperature=0.7, key=3), TypeError, "generate: key must be one JAX PRNG key .*got int 3"),
+    (dict(temperature=0.7, key=jnp.zeros((2, 2), jnp.uint32)), ValueError, r"generate: key must be one JAX PRNG key"),
+])
+def test_generate_refuses_bad_temperature_and_key(kwargs, err, match):
+    model = _model("llama", "ls2")
+    with pytest.raises(err, match=match):
+        decode.generate(model, _ids("llama", 3), 2, **kwargs)
+
+
+def test_generate_refuses_an_empty_prompt():
+    model = _model("llama", "ls2")
+    with pytest.raises(ValueError, match=r"generate: prompt must hold at least one row and one token, got shape \(2, 0\)"):
+        decode.generate(model, jnp.zeros((2, 0), jnp.int32), 2)
+    # a legacy uint32[2] key still works
+    out = decode.generate(model, _ids("llama", 3), 2, temperature=0.5, key=jax.random.PRNGKey(1))
+    assert out.shape == (BATCH, 2)
+
+
 def _cached_logits(model, ids, prompt):
     decoder = decode.init_cache(model, ids.shape[0], ids.shape[1])
     out = [decode.decode(decoder, ids[:, :prompt])]

@@ -175,6 +175,31 @@ def test_fully_masked_rows_give_zeros_lse_minus_inf_and_zero_grads():
     assert np.all(np.asarray(grads[1][1]) == 0) and np.all(np.asarray(grads[2][1]) == 0)
 
 
+def _check_nan_query_row_propagates(shape, dtype):
+    """A NaN in one query row gives that row NaN in out and lse (as jax.nn.logsumexp), not
+    lse = -inf, the "attended no key" marker; the other rows are untouched. Runs on the
+    default device (so the kernel on the GPU)."""
+    q, k, v = qkv(*shape, dtype=dtype, seed=4)
+    bad = q.at[0, 2, 1, 0].set(jnp.nan)
+    f = jax.jit(lambda q: flash_attention(q, k, v, return_lse=True))
+    (out, lse), (out0, lse0) = f(bad), f(q)
+    out, lse, out0, lse0 = (np.asarray(a, np.float32) for a in (out, lse, out0, lse0))
+    assert np.isnan(lse[0, 1, 2]) and np.all(np.isnan(out[0, 2, 1]))
+    rest = np.ones(lse.shape, bool)
+    rest[0, 1, 2] = False
+    np.testing.assert_array_equal(lse[rest], lse0[rest])
+    np.testing.assert_array_equal(np.delete(out[0], 2, axis=0), np.delete(out0[0], 2, axis=0))
+    dq = jax.jit(jax.grad(lambda q: jnp.sum(flash_attention(q, k, v).astype(F32))))(bad)
+    assert np.all(np.isnan(np.asarray(dq[0, 2, 1], np.float32)))
+
+
+def test_nan_in_a_query_row_propagates_to_its_out_and_lse():
+    _check_nan_query_row_propagates((2, 5, 6, 2, 2, 8), F32)
+    # as the plain formula says
+    q, k, v = qkv(2, 5, 6, 2, 2, 8, seed=4)
+    assert np.isnan(np.asarray(plain(q.at[0, 2, 1, 0].set(jnp.nan), k, v)[1][0, 1, 2]))
+
+
 def test_dropout_mask_is_the_shared_generator_numbered_by_b_h_q_k():
     """With v the identity over keys, out is the dropped probabilities, which must equal
     softmax_dropout's on the (batch, heads, q, k) scores for the same key."""
@@ -677,6 +702,13 @@ def test_gpu_dropout_mask_and_values_equal_the_reference(name):
 
 
 @pytest.mark.sanitize
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_nan_in_a_query_row_propagates_to_its_out_and_lse(d, dtype):
+    _check_nan_query_row_propagates((2, 70, 130, 2, 2, d), dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_small_every_output_written(d):

@@ -149,6 +149,34 @@ def test_bad_inputs():
         jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(gated_act_dropout(x) ** 2))(x)))(x)
 
 
+def _check_infinite_gates(act, dtype):
+    """A gate of -inf gives 0 (act(-inf) * up, the limit) and zero gradients, +inf gives
+    up * inf and dgate = dy * up: no NaN from inf * 0 (run on the default device, so on
+    the GPU it checks the kernel)."""
+    x, dy = inputs((3, 2 * 40), dtype, seed=5)
+    f = 40
+    x = x.at[0, 3].set(-jnp.inf).at[1, :f].set(-jnp.inf).at[2, 7].set(jnp.inf)
+    y, pull = jax.jit(lambda x: jax.vjp(lambda x: gated_act_dropout(x, activation=act), x))(x)
+    dx = np.asarray(jax.jit(pull)(dy)[0], np.float32)
+    y, x32, dy32 = (np.asarray(a, np.float32) for a in (y, x, dy))
+    assert y[0, 3] == 0 and np.all(y[1] == 0) and not np.isnan(y).any()
+    assert y[2, 7] == np.inf * x32[2, f + 7]
+    assert dx[0, 3] == 0 and dx[0, f + 3] == 0 and np.all(dx[1] == 0)
+    np.testing.assert_allclose(dx[2, 7], dy32[2, 7] * x32[2, f + 7], rtol=1e-2)
+    # with dropout, a dropped infinite element is 0 too (and a kept one inf)
+    yd = np.asarray(jax.jit(lambda x: gated_act_dropout(x, activation=act, rate=0.5, key=KEY))(x), np.float32)
+    assert not np.isnan(yd).any() and yd[1].tolist() == [0.0] * f
+    # elsewhere as before
+    finite = np.isfinite(x32[:, :f])
+    want = np.asarray(plain_gated(jnp.where(jnp.isinf(x), 0, x), act), np.float32)
+    np.testing.assert_allclose(y[finite], want[finite], rtol=2e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_infinite_gate_gives_the_limit_not_nan(act):
+    _check_infinite_gates(act, jnp.float32)
+
+
 # ---------------------------------------------------------------- GPU
 GPU_SHAPES = [(7, 246), (1025, 1538), (64, 8194), (2048, 8192), (4096, 2 * 11008), (3, 2)]
 
@@ -173,6 +201,13 @@ def test_gpu_against_float64_truth(dtype, shape, act):
     dx = jax.jit(lambda x, dy: jax.vjp(ours, x)[1](dy)[0])(x, dy)
     dx_xla = jax.jit(lambda x, dy: jax.vjp(xla, x)[1](dy)[0])(x, dy)
     assert_within_2x("dx", dx, dx_xla, truth_dx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+def test_gpu_infinite_gate_gives_the_limit_not_nan(act, dtype):
+    _check_infinite_gates(act, dtype)
 
 
 @pytest.mark.gpu

@@ -498,3 +498,12 @@ def test_gpu_staged_backward_float16_against_float64_truth(hidden, fused_residua
     gx = jax.jit(jax.grad(loss(xla), (0, 1, 2, 3)))(x, g, b, r)
     for i, name in enumerate(["dx", "dgamma", "dbeta", "dresidual"][:4 if fused_residual else 3]):
         assert_within_2x(name, gk[i], gx[i], truth[i])
+
+
+def test_old_eps_keyword_warns_once_and_works():
+    from numerics import assert_renamed_keyword
+    x, g, b = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(3, 16), (16,), (16,)]))
+    assert_renamed_keyword(lambda: layer_norm(x, g, b, eps=1e-3), lambda: layer_norm(x, g, b, epsilon=1e-3),
+                           "layer_norm", "eps", "epsilon")
+    with pytest.raises(TypeError, match="layer_norm: got both eps= .* and epsilon="):
+        layer_norm(x, g, b, eps=1e-3, epsilon=1e-3)

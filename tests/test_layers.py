@@ -30,7 +30,7 @@ def _grads(model, fn):
     def loss(p):
         m = nnx.merge(graphdef, p, rest)
         return jnp.sum(jnp.sin(fn(m)))
-    return jax.grad(loss)(params)
+    return jax.jit(jax.grad(loss))(params)
 
 
 def _close(a, b, rtol=2e-5, atol=2e-5):
@@ -406,8 +406,8 @@ def test_layer_config_is_the_one_signature():
 
 def test_layer_config_errors_name_the_constructor():
     with pytest.raises(TypeError,
-                       match=r"TransformerEncoderLayer: unexpected keyword argument\(s\) \['layer_norm_eps'\]"):
-        nn.TransformerEncoderLayer(H, F, N, layer_norm_eps=1e-5, rngs=nnx.Rngs(0))
+                       match=r"TransformerEncoderLayer: unexpected keyword argument\(s\) \['norm_eps'\]"):
+        nn.TransformerEncoderLayer(H, F, N, norm_eps=1e-5, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="TransformerEncoder: unexpected keyword"):
         nn.TransformerEncoder(2, H, F, N, eps=1e-5, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="TransformerDecoderLayer: pass a LayerConfig or hidden_size"):
@@ -550,3 +550,16 @@ def test_remat_stack_draws_new_masks_each_call_as_without_remat(stack, lib):
     assert not np.allclose(outs["plain"][0], outs["plain"][1])
     for got, want in zip(outs["remat"], outs["plain"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_renamed_layer_keywords_warn_once_and_work():
+    from numerics import assert_renamed_keyword
+
+    from jax_ls2.nn import kv_cache
+    make = lambda **kw: nn.TransformerEncoderLayer(32, 64, 4, rngs=nnx.Rngs(0), **kw).config
+    cfg = assert_renamed_keyword(lambda: make(layer_norm_eps=1e-3), lambda: make(epsilon=1e-3),
+                                 "TransformerEncoderLayer", "layer_norm_eps", "epsilon")
+    assert cfg.epsilon == 1e-3
+    cache = lambda **kw: kv_cache.new_cache(2, 8, head_dim=4, dtype=jnp.float32, owner="test", **kw)
+    assert_renamed_keyword(lambda: cache(kv_heads=3)[0][...].shape, lambda: cache(num_kv_heads=3)[0][...].shape,
+                           "new_cache", "kv_heads", "num_kv_heads")

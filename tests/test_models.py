@@ -192,3 +192,11 @@ def test_presets_validate():
         fm.get_config("gpt", "tiny", hidden=3)
     with pytest.raises(ValueError, match="impl"):
         fm.layer_library("torch")
+
+
+def test_config_old_layer_norm_eps_keyword_warns_once_and_works():
+    from numerics import assert_renamed_keyword
+    cfg = assert_renamed_keyword(lambda: fm.get_config("bert", "tiny", layer_norm_eps=1e-7),
+                                 lambda: fm.get_config("bert", "tiny", epsilon=1e-7),
+                                 "Config.replace", "layer_norm_eps", "epsilon")
+    assert cfg.epsilon == 1e-7

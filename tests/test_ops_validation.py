@@ -129,6 +129,55 @@ def test_second_derivatives_say_they_are_not_supported(op, how):
         second(x)
 
 
+# ---------------------------------------------------------------- forward mode
+def _forward_mode_ops():
+    from jax_ls2 import ops
+    kv = _normal((2, 6, 1, 8), 3)
+    return {
+        "layer_norm": lambda x: layer_norm(x, jnp.ones(8), jnp.zeros(8)),
+        "layer_norm (residual)": lambda x: layer_norm(x, jnp.ones(8), jnp.zeros(8), residual=x)[0],
+        "rms_norm": lambda x: ops.rms_norm(x, jnp.ones(8)),
+        "bias_act_dropout": lambda x: bias_act_dropout(x, jnp.ones(8), activation="gelu", rate=0.0),
+        "bias_dropout_residual": lambda x: bias_dropout_residual(x, jnp.ones(8), x, rate=0.0),
+        "dropout": lambda x: ops.dropout(x, rate=0.1, key=KEY),
+        "gated_act_dropout": lambda x: ops.gated_act_dropout(x),
+        "softmax_dropout": lambda x: softmax_dropout(x),
+        "cross_entropy": lambda x: cross_entropy(x, jnp.arange(4), reduction="mean")[0],
+        "linear_cross_entropy": lambda x: linear_cross_entropy(x, x * 2, jnp.arange(4))[0],
+        "embedding": lambda x: embedding(jnp.arange(4) % 3, x),
+        "flash_attention": lambda x: ops.flash_attention(x.reshape(2, 2, 1, 8), kv, kv),
+        "rotary": lambda x: ops.rotary(x.reshape(2, 2, 1, 8), x.reshape(2, 2, 1, 8), jnp.tile(jnp.arange(2), (2, 1)))[0],
+    }
+
+
+@pytest.mark.parametrize("how", ["jvp", "jit_jvp", "jacfwd"])
+@pytest.mark.parametrize("name", sorted(_forward_mode_ops()))
+def test_forward_mode_autodiff_names_the_op(name, how):
+    f = _forward_mode_ops()[name]
+    x = _normal((4, 8))
+    run = {"jvp": lambda: jax.jvp(f, (x,), (x,)), "jit_jvp": lambda: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+           "jacfwd": lambda: jax.jacfwd(f)(x)}[how]
+    op = name.split(" ")[0]
+    with pytest.raises(NotImplementedError, match=rf"^{op}: forward-mode autodiff \(jax.jvp, jax.jacfwd\) is not "
+                                                  r"supported.*plain-JAX formula, \S"):
+        run()
+    jax.grad(lambda x: jnp.sum(f(x)))(x)  # reverse mode works
+
+
+def test_forward_mode_through_fp8_and_the_parallel_ops_names_the_op():
+    from jax_ls2 import fp8
+    from jax_ls2.parallel import vocab_parallel_cross_entropy
+    recipe = fp8.DelayedScaling()
+    x, w = _normal((4, 16)), _normal((16, 16), 1)
+    meta = fp8.DotMeta.create(recipe)
+    with pytest.raises(NotImplementedError, match=r"^fp8_dot: forward-mode autodiff"):
+        jax.jvp(lambda x: fp8.fp8_dot(x, w, meta, recipe), (x,), (x,))
+    ring = jax.vmap(lambda z: vocab_parallel_cross_entropy(z, jnp.arange(4) % 8, "t")[0], axis_name="t")
+    logits = _normal((2, 4, 8))
+    with pytest.raises(NotImplementedError, match=r"^vocab_parallel_cross_entropy: forward-mode autodiff"):
+        jax.jvp(ring, (logits,), (logits,))
+
+
 # ---------------------------------------------------------------- shard_map, replicated weights
 def _per_device(loss, argnums, mesh, in_specs, out_specs):
     """jit(shard_map) of the gradient of ``loss`` as per-device code, the loss summed

@@ -102,6 +102,26 @@ def test_adam_betas_outside_zero_to_one_are_refused(factory, argument, value):
         factory(1e-3, **{argument: value})
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(seed=2 ** 40), ValueError, r"adamw: seed must be an int in \[0, 2\*\*32\) or an integer scalar array, got "
+                                     r"1099511627776"),
+    (dict(seed=-1), ValueError, r"adamw: seed must be an int in \[0, 2\*\*32\)"),
+    (dict(seed="abc"), TypeError, r"adamw: seed must be .*, got str 'abc'"),
+    (dict(seed=1.5), TypeError, r"adamw: seed must be .*, got float 1.5"),
+    (dict(seed=jnp.zeros((2,), jnp.uint32)), TypeError, r"adamw: seed must be .*, got an array of uint32\(2,\)"),
+    (dict(moment_dtype="foo"), TypeError, r"adamw: moment_dtype must be float32 or bfloat16 \(or None\), got str 'foo'"),
+    (dict(mu_dtype="foo"), TypeError, r"adamw: mu_dtype must be None, float32 or bfloat16, got str 'foo'"),
+])
+def test_seed_and_moment_dtype_are_checked_at_construction(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        optim.adamw(1e-3, **kw)
+
+
+def test_sound_seeds_are_taken():
+    for seed in (0, 2 ** 32 - 1, np.uint32(7), jnp.asarray(3, jnp.int32)):
+        optim.adamw(1e-3, stochastic_rounding=True, seed=seed).init({"a": jnp.ones((2,), jnp.bfloat16)})
+
+
 def test_sound_hyper_parameters_of_every_kind_are_taken():
     optim.adamw(optax.linear_schedule(1e-3, 0.0, 10), b1=0.0, b2=np.float32(0.99), eps=jnp.float32(1e-6))
     optim.adam(jnp.asarray(1e-3))
@@ -272,6 +292,56 @@ def test_int_and_bool_leaves_pass_through_as_optax_does(pair):
         u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
         _assert_same(u_ours, u_theirs)
         _assert_same(optax.apply_updates(params, u_ours), optax.apply_updates(params, u_theirs))
+
+
+FLOAT_PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.ones(())}
+
+
+@pytest.mark.parametrize("leaf", [jnp.ones((3, 2), jnp.int32), jnp.ones((3, 2), bool), jnp.ones((3, 2), jnp.complex64)],
+                         ids=["int32", "bool", "complex64"])
+@pytest.mark.parametrize("with_params", [True, False])
+def test_a_gradient_leaf_off_the_float_params_path_is_named(leaf, with_params):
+    tx = optim.adam(1e-3)
+    state = tx.init(FLOAT_PARAMS)
+    grads = {"w": leaf, "b": jnp.ones(())}
+    with pytest.raises(TypeError, match=rf"adam: grads leaf \['w'\] has dtype {jnp.dtype(leaf.dtype)}, but the params "
+                                        r"are all float32, float16 or bfloat16"):
+        tx.update(grads, state, FLOAT_PARAMS if with_params else None)
+
+
+def test_float64_gradient_under_x64_on_float_params_is_named():
+    with jax.enable_x64(True):
+        params = {"w": jnp.ones((3,), jnp.float32)}
+        tx = optim.adamw(1e-3)
+        with pytest.raises(TypeError, match=r"adamw: grads leaf \['w'\] has dtype float64"):
+            tx.update({"w": np.ones((3,))}, tx.init(params), params)
+
+
+def test_python_float_and_float64_numpy_gradients_are_float32_as_optax_makes_them():
+    """Without x64, JAX makes a Python float or a float64 NumPy array float32: the updates
+    are optax's, in float32."""
+    grads = {"w": np.full((3, 2), 0.25), "b": 0.5}
+    for ours, theirs in ((optim.adamw(1e-2), optax.adamw(1e-2)), (optim.sgd(1e-2, 0.9), optax.sgd(1e-2, 0.9))):
+        u, _ = ours.update(grads, ours.init(FLOAT_PARAMS), FLOAT_PARAMS)
+        v, _ = theirs.update(grads, theirs.init(FLOAT_PARAMS), FLOAT_PARAMS)
+        for x, y in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+            assert x.dtype == y.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+
+@pytest.mark.parametrize("made_by,used_by,field", [
+    (lambda: optim.sgd(1e-3), lambda: optim.adamw(1e-3), "mu"),
+    (lambda: optim.sgd(1e-3, momentum=0.9), lambda: optim.adamw(1e-3), "nu"),
+    (lambda: optim.adamw(1e-3), lambda: optim.sgd(1e-3), "mu"),
+    (lambda: optim.adamw(1e-3), lambda: optim.sgd(1e-3, momentum=0.9), "nu"),
+    (lambda: optim.adamw(1e-3), lambda: optim.adamw(1e-3, master_weights=True), "master"),
+])
+def test_a_state_made_by_another_optimizer_is_refused(made_by, used_by, field):
+    state = made_by().init(FLOAT_PARAMS)
+    tx = used_by()
+    with pytest.raises(ValueError, match=rf"^\w+: state.{field} is (None|set), but this \w+ keeps .*made by another "
+                                         r"optimizer's init"):
+        tx.update(FLOAT_PARAMS, state, FLOAT_PARAMS)
 
 
 def test_python_int_params_as_optax_extra_args_uses_them():

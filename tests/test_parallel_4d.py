@@ -61,6 +61,7 @@ def _four_d(family, spec, balance="none"):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,spec", [("gpt", "pipe=2,data=2,seq=2"), ("bert", "pipe=2,data=2,seq=2"),
                                          ("gpt", "pipe=2,tensor=2,seq=2"), ("gpt", "pipe=2,data=4")])
+@pytest.mark.optimized_cpu_code
 def test_stages_on_sequence_shards_train_like_one_device(family, spec):
     *_, (want_losses, want_grads, want_params) = _one_device(family, tuple(MESHES[spec].items()))
     losses, grads, params, hlo = _four_d(family, spec)

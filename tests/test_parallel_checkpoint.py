@@ -126,6 +126,7 @@ def test_zero1_state_is_refused_on_another_data_size(zero_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["data=4,tensor=2", None])
+@pytest.mark.optimized_cpu_code
 def test_replicated_state_loads_into_another_mesh_shape(replicated_run, spec):
     from flax_models import training
     r = replicated_run

@@ -112,6 +112,7 @@ def fsdp_runs(reference):
 
 
 @pytest.mark.parametrize("family,spec", [("gpt", s) for s in MESHES] + [("bert", "data=4,tensor=2")])
+@pytest.mark.optimized_cpu_code
 def test_fsdp_trains_like_one_device(reference, fsdp_runs, family, spec):
     _, (want_losses, want_grads, want_params, *_) = reference(family)
     mesh, (losses, grads, params, *_) = fsdp_runs(family, spec)
@@ -207,6 +208,7 @@ def test_fsdp_step_gathers_params_one_by_one(fsdp_runs, spec):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_cpu_code
 def test_fsdp_with_remat_gathers_each_layer_again_in_the_backward(reference):
     """With remat the layer stack gathers a layer's params inside the layer's
     rematerialised call: the compiled step all-gathers each data-split layer weight

@@ -192,6 +192,7 @@ def test_overlap_report_on_cpu_counts_the_sync_permutes(mesh, data):
 
 # ---------------------------------------------------------------- emulated ring (vmap)
 @pytest.mark.parametrize("impl", ra.IMPLS)
+@pytest.mark.optimized_cpu_code
 def test_ring_under_vmap_emulates_the_devices(data, impl):
     """The ring over the vmapped axis (the benchmark's one-device emulation): with
     dropout, zigzag, causal, against single-device attention."""
@@ -247,6 +248,31 @@ def test_bad_arguments_are_named(mesh, kw, exc, match):
 def test_length_not_divisible_by_the_ring_is_refused_by_shard_map(mesh):
     with pytest.raises(ValueError, match="evenly divisible"):
         _call(mesh, length=RING * 2 + 1, balance="none")
+
+
+@pytest.mark.parametrize("balance, length, match", [
+    ("none", RING * 2 + 1, r"ring_attention: the sequence length \(17, q.shape\[1\]\) must be a multiple of the "
+                           r"size \(8\) of mesh axis 'seq'"),
+    ("zigzag", RING * 3, r"ring_attention: the sequence length \(24, q.shape\[1\]\) must be a multiple of 2 x the "
+                         r"size \(8\) of mesh axis 'seq'"),
+])
+def test_length_not_divisible_under_jit_with_a_mesh_is_the_ops_error(mesh, balance, length, match):
+    q = jnp.ones((B, length, H, D))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+        jax.jit(lambda q: ra.ring_attention(q, q, q, axis_name="seq", balance=balance))(q)
+
+
+def test_whole_arrays_under_jit_with_a_mesh_equal_the_shard_map_call(mesh, data):
+    q, k, v, pm, _, key = data
+    kw = dict(axis_name="seq", causal=True, balance="none", padding_mask=pm)
+    with jax.set_mesh(mesh):
+        ours = jax.jit(lambda q, k, v: ra.ring_attention(q, k, v, **kw))(q, k, v)
+    body = lambda q, k, v, pm: ra.ring_attention(q, k, v, **{**kw, "padding_mask": pm})
+    want = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))(q, k, v, pm)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"ring_attention: k must have q's sequence length \(64\) in dim 1"):
+        with jax.set_mesh(mesh):
+            ra.ring_attention(q, k[:, :8], v, axis_name="seq")
 
 
 def test_outside_shard_map_and_bad_shapes():

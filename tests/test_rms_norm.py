@@ -285,3 +285,12 @@ def test_gpu_every_output_element_written_and_kernels_called():
         assert bool(jnp.all(jnp.isfinite(arr)))
     text = compiled_text(grad, x, g)
     assert "jax_ls2_rms_norm_fwd" in text and "jax_ls2_rms_norm_bwd" in text
+
+
+def test_old_eps_keyword_warns_once_and_works():
+    from numerics import assert_renamed_keyword
+    x, g = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(3, 16), (16,)]))
+    assert_renamed_keyword(lambda: rms_norm(x, g, eps=1e-3), lambda: rms_norm(x, g, epsilon=1e-3),
+                           "rms_norm", "eps", "epsilon")
+    with pytest.raises(TypeError, match="rms_norm: got both eps= .* and epsilon="):
+        rms_norm(x, g, eps=1e-3, epsilon=1e-3)

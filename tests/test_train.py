@@ -71,6 +71,7 @@ def test_convergence_bf16_every_step(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", fm.FAMILIES)
+@pytest.mark.optimized_cpu_code
 def test_convergence_with_dropout_final_loss(family):
     # different masks: compare the mean of the last 20 steps, batch 16 to tame the noise
     ours, twin = _converge(family, 100, dropout=0.1, batch=16)

@@ -5,7 +5,8 @@
 // buffered); S = Q K^T, an online softmax in base 2 (running max m and sum l per row,
 // fp32), O += P V with P taken straight from S's accumulator registers. Dropped
 // probabilities are zeroed after they enter l, and O is scaled by keep_scale / l at
-// the end. Writes O and lse = (m + log2 l) * ln 2 (-inf when l == 0: O is then 0).
+// the end. Writes O and lse = (m + log2 l) * ln 2 (-inf when l == 0: O is then 0; NaN
+// when l is, a NaN logit).
 //
 // Backward, three launches and no atomics on dq, dk, dv (deterministic):
 //   1. delta = rowsum(dO * O) - dlse, one warp per row;
@@ -535,7 +536,9 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int i = row[mt][r];
       if (i >= p.q_len) continue;
-      const float inv = sum > 0.f ? drop_scale / sum : 0.f;
+      // sum == 0: no attended key (O = 0, lse = -inf); a NaN sum (a NaN logit) stays NaN
+      // in O and lse rather than passing for "no key".
+      const float inv = sum != 0.f ? drop_scale / sum : 0.f;
       T* orow = out + ((int64_t)b * p.q_len + i) * q_stride + (int64_t)h * D;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -544,7 +547,7 @@ __global__ void __launch_bounds__(FwdTile<D>::kWarps * 32) FlashFwdKernel(FlashA
       }
       if (t4 == 0) {
         a.lse[((int64_t)b * p.heads + h) * p.q_len + i] =
-            sum > 0.f ? (m[mt][r] + __log2f(sum)) * kLn2 : -INFINITY;
+            sum != 0.f ? (m[mt][r] + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
   }

@@ -39,6 +39,12 @@ __device__ __forceinline__ void ActAndGrad(float v, float& act, float& grad) {
     act = ActScaled<kAct, T>(v, 1.f, 0.f);
     grad = ActGradScaled<kAct, T>(v, 1.f, 0.f);
   }
+  // At +-inf the formulas give inf * 0 = NaN; take the limits (act(-inf) = 0, act(inf) =
+  // inf, act' 0 and 1), as the reference does.
+  if (isinf(v)) {
+    act = v > 0.f ? v : 0.f;
+    grad = v > 0.f ? 1.f : 0.f;
+  }
 }
 
 template <typename T, int VEC, int ACT, bool DROP, bool BWD>
@@ -79,7 +85,8 @@ __global__ void __launch_bounds__(kThreads) GatedActKernel(GatedActArgs a) {
         o1[j] = dd * u[j] * grad;
         o2[j] = dd * act;
       } else {
-        o1[j] = act * u[j] * m;
+        // A dropped element is 0 even where act * up is infinite (as the reference's select).
+        o1[j] = DROP && !keep[j] ? 0.f : act * u[j] * m;
       }
     }
     if constexpr (BWD) {

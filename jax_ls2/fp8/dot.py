@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import _varying_axes, match_varying
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.fp8.recipe import GRAD_OUTPUT, INPUT, NUM_OPERANDS, WEIGHT, DelayedScaling, fp8_max
 from jax_ls2.fp8.state import CACHE_FILL, CACHE_REUSE, DotMeta, FP8DotMeta, FP8Meta, FP8WeightCache, WeightCopies
 
@@ -289,7 +290,8 @@ def _first_order_only_jvp(primals, tangents):
 
 # w enters for its gradient only: the GEMMs read its FP8 copies ``wc`` (`WeightCopies`,
 # made by `_weight_copies`), whose cotangent is zero.
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+@partial(fused_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5), op="fp8_dot",
+         plain='jnp.dot(x, w) in the compute dtype')
 def _fp8_dot(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, wc, dm):
     return _fp8_dot_fwd(recipe, dtype, axes, x_dtype, w_dtype, splits, x, w, wc, dm)[0]
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from jax_ls2._dispatch import match_varying
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops._normalization import check_epsilon
 from jax_ls2.fp8.dot import (_backward_gemms, _check_splits, _first_order_only, _joined, _mesh_max, _prepare,
                               _quantize, _reduced_amax, _rows, _scaled_dot, _split_gemms, _weight_copies)
@@ -146,7 +147,8 @@ def layernorm_fp8_dot(x, gamma, beta, w, meta, recipe: DelayedScaling, *, epsilo
 # ``keep``: x is also returned (for the residual branch); static, so that without it no
 # zero cotangent of x reaches the LayerNorm backward kernel.
 # w's FP8 copies ``wc`` come from `_weight_copies`, as in `jax_ls2.fp8.dot._fp8_dot`.
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+@partial(fused_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6), op="layernorm_fp8_dot",
+         plain='jnp.dot(layer_norm(x), w) in the compute dtype')
 def _ln_dot(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, wc, dm):
     return _ln_dot_fwd(recipe, dtype, axes, eps, w_dtype, keep, splits, x, gamma, beta, w, wc, dm)[0]
 
@@ -241,7 +243,8 @@ def fp8_mlp(x, w1, b1, w2, meta1, meta2, recipe: DelayedScaling, *, activation: 
 
 
 # The weights' FP8 copies ``wc1``, ``wc2`` come from `_weight_copies`, as in `_fp8_dot`.
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+@partial(fused_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7), op="fp8_mlp",
+         plain='the MLP written with jnp.dot in the compute dtype')
 def _mlp(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2, wc1, wc2, dm1, dm2):
     return _mlp_fwd(recipe, dtype, axes, act, eps, w1_dtype, w2_dtype, keep, x, gamma, beta, w1, b1, w2,
                     wc1, wc2, dm1, dm2)[0]

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jax_ls2._deprecation import renamed
 from jax_ls2.nn._common import (check_activation, check_fp8, check_heads, check_rate, check_sequence_axis,
                                 check_sequence_balance, check_tensor_parallel)
 from jax_ls2.nn.backend import BACKENDS
@@ -180,6 +181,7 @@ def layer_config(owner: str, hidden_size, ffn_size, num_heads, options: dict) ->
     None, and `options` override its fields) or the three sizes are ints and `options`
     are the other fields. Unknown option names raise TypeError.
     """
+    options = renamed(owner, options, stacklevel=4, layer_norm_eps="epsilon")  # layer_norm_eps= until 2e8e4ee
     unknown = sorted(set(options) - set(FIELDS))
     if unknown:
         raise TypeError(f"{owner}: unexpected keyword argument(s) {unknown}; the layer options "

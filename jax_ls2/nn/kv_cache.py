@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_ls2._deprecation import renamed_keywords
 from jax_ls2.nn._common import check_positive_int
 
 
@@ -19,6 +20,7 @@ class KVCache(nnx.Cache):
     """Keys, values or the write position of one attention layer's decode cache."""
 
 
+@renamed_keywords("new_cache", kv_heads="num_kv_heads")  # kv_heads= until 265ec64
 def new_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, owner: str, variable=KVCache):
     """Zeroed (keys, values, index) cache variables of type ``variable`` (`KVCache`, or
     ``nnx.Cache`` for the plain-Flax twins); checks the sizes with ``owner``'s name."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -135,7 +136,8 @@ def _static(cfg):
     return dict(smoothing=s, z_loss=z, ignore_index=ii, has_ignore=hi)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(fused_vjp, nondiff_argnums=(2,), op="cross_entropy",
+                   plain='optax.softmax_cross_entropy_with_integer_labels(logits, labels)')
 def _ce_tokens(logits, labels, cfg):
     return _FWD(logits, labels, **_static(cfg))[0]
 
@@ -152,7 +154,8 @@ def _ce_tokens_bwd(cfg, res, dloss):
 _ce_tokens.defvjp(_ce_tokens_fwd, _ce_tokens_bwd, optimize_remat=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="cross_entropy",
+                   plain='optax.softmax_cross_entropy_with_integer_labels(logits, labels)')
 def _ce_reduced(logits, labels, scale, cfg):
     loss = _FWD(logits, labels, **_static(cfg))[0]
     return jnp.sum(loss) * scale
@@ -329,7 +332,8 @@ def _lce_loss_only(h, weight, bias, labels, token_weights, scale, cfg):
     return total * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+@functools.partial(fused_vjp, nondiff_argnums=(6, 7), op="linear_cross_entropy",
+                   plain='optax.softmax_cross_entropy_with_integer_labels(hidden @ weight + bias, labels)')
 def _lce(h, weight, bias, labels, token_weights, scale, cfg, dtypes):
     return _lce_loss_only(h, weight, bias, labels, token_weights, scale, cfg)
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import BCAST, BCAST_SUM, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops._limits import MAX_PARTS
 from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
@@ -144,7 +145,8 @@ def _bdr_forward(x, bias, residual, seed, offsets, num):
     return _BDR_FWD(x, _as_row(bias, x), residual, seed, offsets, **_static(num))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(fused_vjp, nondiff_argnums=(5,), op="bias_dropout_residual",
+                   plain='jnp.where(keep, (x + bias) / (1 - rate), 0) + residual with keep from jax.random.bernoulli')
 def _bias_dropout_residual(x, bias, residual, seed, offsets, num):
     return _bdr_forward(x, bias, residual, seed, offsets, num)
 
@@ -171,7 +173,8 @@ def _bad_forward(x, bias, seed, offsets, activation, num):
     return _BAD_FWD(x, _as_row(bias, x), seed, offsets, activation=activation, **_static(num))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(fused_vjp, nondiff_argnums=(4, 5), op="bias_act_dropout",
+                   plain='jnp.where(keep, act(x + bias) / (1 - rate), 0) with keep from jax.random.bernoulli')
 def _bias_act_dropout(x, bias, seed, offsets, activation, num):
     return _bad_forward(x, bias, seed, offsets, activation, num)
 
@@ -283,7 +286,8 @@ def bias_act_dropout(x, bias, *, activation: str, rate: float, key=None, determi
     return _bias_act_dropout(x, bias, seed, offsets, activation, (threshold, scale, strides))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="dropout",
+                   plain='jnp.where(keep, x / (1 - rate), 0) with keep from jax.random.bernoulli')
 def _dropout(x, seed, offsets, num):
     return _random.apply_mask(x.astype(F32), seed, offsets, *num).astype(x.dtype)
 

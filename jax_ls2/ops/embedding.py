@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import OFFSETS, PARAM, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -151,7 +152,8 @@ def _fwd_static(cfg):
                 threshold=threshold, keep_scale=keep_scale, out_dtype=out_dtype, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(fused_vjp, nondiff_argnums=(7,), op="embedding",
+                   plain="jnp.take(table, ids, axis=0) * scale (+ the positions' rows)")
 def _embedding(ids, positions, table, pos_table, inv_freq, seed, offsets, cfg):
     return _FWD(ids, positions, table, pos_table, inv_freq, seed, offsets, **_fwd_static(cfg))[0]
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from jax_ls2 import _dispatch, _ffi, _random
 from jax_ls2._dispatch import BCAST, ROWS, SEED, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -133,7 +134,8 @@ def _fwd_reference(q, k, v, bias, q_seg, kv_seg, seed, *, scale, causal, thresho
     m = jnp.max(s, axis=-1)
     m = jnp.where(jnp.isneginf(m), jnp.zeros((), s.dtype), m)
     total = jnp.sum(jnp.exp(s - m[..., None]), axis=-1)
-    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
+    # total == 0: no attended key (lse -inf); a NaN total (a NaN logit) keeps lse NaN.
+    lse = jnp.where(total == 0, -jnp.inf, m + jnp.log(jnp.where(total == 0, 1, total)))
     p = _dropped(_probs(s, lse), seed, q.shape, threshold=threshold, keep_scale=keep_scale, q_total=q_total,
                  kv_total=kv_total)
     groups = q.shape[2] // k.shape[2]
@@ -237,7 +239,8 @@ def _forward(q, k, v, bias, q_seg, kv_seg, seed, cfg):
     return _fwd_reference(q, k, v, bias, q_seg, kv_seg, seed, **_static(cfg))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(fused_vjp, nondiff_argnums=(7,), op="flash_attention",
+                   plain="jax.nn.dot_product_attention(q, k, v, implementation='xla')")
 def _flash(q, k, v, bias, q_seg, kv_seg, seed, cfg):
     return _forward(q, k, v, bias, q_seg, kv_seg, seed, cfg)
 
@@ -350,7 +353,9 @@ def flash_attention(q, k, v, *, bias=None, padding_mask=None, segment_ids=None, 
     Returns:
       ``out`` ``(batch, q_len, heads, head_dim)`` in q's dtype, and with
       ``return_lse`` also ``lse`` ``(batch, heads, q_len)`` float32. A query with no
-      attended key (fully masked) gets zeros and ``lse = -inf``, and zero gradients.
+      attended key (fully masked) gets zeros and ``lse = -inf``, and zero gradients; a
+      NaN logit (from a NaN in q, k or the bias) makes the out and lse of its row NaN, as
+      ``jax.nn.logsumexp`` does, never the ``-inf`` of an empty row.
 
     Logits, softmax statistics and accumulation are float32. Kept for the backward:
     q, k, v, out and lse (and the bias, masks and seed); the backward recomputes the

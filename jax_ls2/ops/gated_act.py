@@ -25,6 +25,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops._activations import C_TANH, INV_SQRT_2PI, K_TANH, SQRT_HALF
 
@@ -36,7 +37,17 @@ _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 # ---------------------------------------------------------------- reference math
 def _act_and_grad(v, activation):
-    """act(v) and act'(v) in float32."""
+    """act(v) and act'(v) in float32; at v = +-inf their limits (act(-inf) = 0, act(inf) =
+    inf, act' 0 and 1), where the formulas would give inf * 0 = NaN."""
+    act, grad = _act_and_grad_finite(v, activation)
+    inf = jnp.isinf(v)
+    pos = v > 0
+    act = jnp.where(inf, jnp.where(pos, v, jnp.zeros((), v.dtype)), act)
+    grad = jnp.where(inf, pos.astype(v.dtype), grad)
+    return act, grad
+
+
+def _act_and_grad_finite(v, activation):
     one, half = np.float32(1), np.float32(0.5)
     if activation == "swiglu":
         sig = jax.nn.sigmoid(v)
@@ -104,7 +115,8 @@ def _static(num):
     return dict(activation=activation, threshold=threshold, scale=scale, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="gated_act_dropout",
+                   plain='jax.nn.silu(x[..., :f]) * x[..., f:] (jax.nn.gelu for GEGLU)')
 def _gated(x, seed, offsets, num):
     return _FWD(x, seed, offsets, **_static(num))[0]
 
@@ -143,6 +155,8 @@ def gated_act_dropout(x, *, activation: str = "swiglu", rate: float = 0.0, key=N
       ``(..., ffn)`` in ``x.dtype``; float32 math in registers, rounded once. The
       backward keeps ``x``, the seed and the offsets: ``dgate = mask * scale * dy * up *
       act'(gate)``, ``dup = mask * scale * dy * act(gate)``, returned concatenated as ``dx``.
+      At ``gate = +-inf`` act and act' take their limits (``act(-inf) = 0``, so a
+      ``-inf`` gate gives 0 and zero gradients, not ``-inf * 0 = NaN``).
     """
     op = "gated_act_dropout"
     _checks.check_array(op, "x", x, min_ndim=1)

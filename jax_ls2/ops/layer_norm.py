@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._deprecation import renamed_keywords
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
 
@@ -122,7 +124,8 @@ _MULTI_BWD_OPERANDS = (_R1, _P, _R0, _R0)
 
 
 # ---------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="layer_norm",
+                   plain='(x - mean) * jax.lax.rsqrt(var + epsilon) * gamma + beta (flax.nnx.LayerNorm)')
 def _layer_norm(x, gamma, beta, eps):
     return _FWD(x, gamma, beta, eps=eps)[0]
 
@@ -141,7 +144,8 @@ def _layer_norm_bwd(eps, res, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd, optimize_remat=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(fused_vjp, nondiff_argnums=(4,), op="layer_norm",
+                   plain='(x - mean) * jax.lax.rsqrt(var + epsilon) * gamma + beta (flax.nnx.LayerNorm)')
 def _add_layer_norm(x, residual, gamma, beta, eps):
     y, s, _, _ = _ADD_FWD(x, residual, gamma, beta, eps=eps)
     return y, s
@@ -162,7 +166,8 @@ def _add_layer_norm_bwd(eps, res, cts):
 _add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd, optimize_remat=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(fused_vjp, nondiff_argnums=(3,), op="layer_norm",
+                   plain='(x - mean) * jax.lax.rsqrt(var + epsilon) * gamma + beta (flax.nnx.LayerNorm)')
 def _layer_norm_keep_input(x, gamma, beta, eps):
     return _FWD(x, gamma, beta, eps=eps)[0], x
 
@@ -190,7 +195,8 @@ def _multi_bwd_kernel(n_cts: int) -> FusedKernel:
                        result_types=_multi_bwd_types, attrs=_has_dsum_attr, vmap_method="sequential")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(fused_vjp, nondiff_argnums=(3, 4, 5), op="layer_norm",
+                   plain='(x - mean) * jax.lax.rsqrt(var + epsilon) * gamma + beta (flax.nnx.LayerNorm)')
 def _layer_norm_copies(x, gamma, beta, eps, copies, keep_input):
     y = _FWD(x, gamma, beta, eps=eps)[0]
     return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ())
@@ -212,6 +218,7 @@ def _layer_norm_copies_bwd(eps, copies, keep_input, res, cts):
 _layer_norm_copies.defvjp(_layer_norm_copies_fwd, _layer_norm_copies_bwd, optimize_remat=True)
 
 
+@renamed_keywords("layer_norm", eps="epsilon")  # eps= until 2e8e4ee
 def layer_norm(x, gamma, beta, *, epsilon: float = 1e-5, residual=None, return_input: bool = False,
                copies: int = 1):
     """LayerNorm over the last axis: ``(s - mean) / sqrt(var + epsilon) * gamma + beta``.

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, SUM, FusedKernel, Role, match_varying, result_type
+from jax_ls2._deprecation import renamed_keywords
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks, _normalization
 from jax_ls2.ops._limits import MAX_PARTS
 
@@ -99,7 +101,8 @@ def _backward(x, gamma, rstd, cts, has_dsum, unit_offset):
 
 
 # ---------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(fused_vjp, nondiff_argnums=(2, 3, 4, 5), op="rms_norm",
+                   plain='x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + epsilon) * gamma')
 def _rms_norm(x, gamma, eps, unit_offset, copies, keep_input):
     y = _FWD(x, gamma, eps=eps, unit_offset=unit_offset)[0]
     return _normalization.distinct_copies(y, copies) + ((x,) if keep_input else ())
@@ -120,7 +123,8 @@ def _rms_norm_bwd(eps, unit_offset, copies, keep_input, res, cts):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd, optimize_remat=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(fused_vjp, nondiff_argnums=(3, 4), op="rms_norm",
+                   plain='x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + epsilon) * gamma')
 def _add_rms_norm(x, residual, gamma, eps, unit_offset):
     y, s, _ = _ADD_FWD(x, residual, gamma, eps=eps, unit_offset=unit_offset)
     return y, s
@@ -141,6 +145,7 @@ _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public API
+@renamed_keywords("rms_norm", eps="epsilon")  # eps= until 53d525f
 def rms_norm(x, gamma, *, epsilon: float = RMS_EPSILON, residual=None, copies: int = 1, return_input: bool = False,
              unit_offset: bool = False):
     """RMSNorm over the last axis: ``s * rsqrt(mean(s**2) + epsilon) * w``.

@@ -16,11 +16,11 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ls2._dispatch import PARAM, ROWS, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -145,7 +145,8 @@ _BWD = FusedKernel("jax_ls2_rotary_bwd", _bwd_ref, **_KERNEL_OPTIONS)
 
 
 # ---------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(fused_vjp, nondiff_argnums=(4,), op="rotary",
+                   plain='x * cos + rotate_half(x) * sin in jnp')
 def _rotary(q, k, positions, inv_freq, interleaved):
     return _FWD(q, k, positions, inv_freq, interleaved=interleaved)
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import BCAST, OFFSETS, ROWS, SEED, FusedKernel, Role, match_varying, result_type
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 
 F32 = jnp.float32
@@ -113,7 +114,8 @@ def _static(cfg):
                 has_mask=has_mask, strides=strides)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(fused_vjp, nondiff_argnums=(5,), op="softmax_dropout",
+                   plain='jax.nn.softmax(scores * scale + bias, axis=-1) (masked with jnp.where)')
 def _softmax_dropout(scores, bias, mask, seed, offsets, cfg):
     return _kernels(cfg[1])[0](scores, bias, mask, seed, offsets, **_static(cfg))[0]
 

@@ -29,6 +29,14 @@ own per-leaf math (optax's numbers and dtypes, nothing cast); its state keeps ``
 and ``nu`` as trees like params in optax's dtypes, and refuses master weights and
 stochastic rounding. Other dtypes (float8, ...) raise a TypeError.
 
+Gradients follow JAX's own conversion, as optax's math does: a Python float or a
+float64 NumPy gradient leaf becomes float32 without x64 (``jnp.asarray``'s rule; the
+updates equal optax's). A params tree of the kernel's dtypes takes gradients of those
+dtypes only: an integer, bool, complex or (under x64) float64 gradient leaf raises a
+TypeError naming the leaf's path (optax would promote the update, and under x64 its
+moments, to the gradient's dtype). A state is refused by an optimizer that keeps
+other buffers (an ``sgd`` state passed to ``adamw``'s update).
+
 Values that cannot work raise a ValueError at construction (a non-finite or negative
 learning rate or weight decay, loss-scaling parameters such as a growth factor <= 1);
 a traced learning rate or weight decay (a schedule, ``inject_hyperparams``) that is

@@ -79,8 +79,10 @@ class PrecisionOptions:
 
     def check(self, fn: str) -> None:
         """Raise on a value that cannot work (numbers known now; traced values pass)."""
-        if self.moment_dtype is not None and jnp.dtype(self.moment_dtype) not in MOMENT_DTYPES:
-            raise TypeError(f"{fn}: moment_dtype must be float32 or bfloat16, got {jnp.dtype(self.moment_dtype)}")
+        if self.moment_dtype is not None and _as_dtype(self.moment_dtype) not in MOMENT_DTYPES:
+            raise TypeError(f"{fn}: moment_dtype must be float32 or bfloat16 (or None), got "
+                            f"{_dtype_text(self.moment_dtype)}")
+        _check_seed(fn, self.seed)
         if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
             raise ValueError(f"{fn}: loss_scale must be None, a number or 'dynamic', got {self.loss_scale!r}")
         if not isinstance(self.loss_scale, str):
@@ -106,15 +108,47 @@ class PrecisionOptions:
         contradicts ``moment_dtype``, raises."""
         if dtype is None:
             return self
-        dt = jnp.dtype(dtype)
+        dt = _as_dtype(dtype)
         if dt not in MOMENT_DTYPES:
-            raise TypeError(f"{fn}: {argument} must be None, float32 or bfloat16, got {dt}")
+            raise TypeError(f"{fn}: {argument} must be None, float32 or bfloat16, got {_dtype_text(dtype)}")
         if self.moment_dtype is not None and self.moment != dt:
             raise ValueError(f"{fn}: {argument}={dt} contradicts moment_dtype={self.moment}")
         if argument == "mu_dtype" and dt != jnp.dtype(jnp.float32) and self.moment_dtype is None:
             raise ValueError(f"{fn}: mu_dtype={dt} alone is not supported (the fused kernel stores mu and nu "
                              f"in one dtype); pass moment_dtype=jnp.bfloat16 for bfloat16 mu and nu")
         return dataclasses.replace(self, moment_dtype=dt)
+
+
+def _as_dtype(value):
+    """`value` as a NumPy dtype, or None where it names none (``"foo"``, an object)."""
+    try:
+        return jnp.dtype(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _dtype_text(value) -> str:
+    dt = _as_dtype(value)
+    return str(dt) if dt is not None else f"{type(value).__name__} {value!r}"
+
+
+SEED_RANGE = "an int in [0, 2**32) or an integer scalar array"
+
+
+def _check_seed(fn: str, seed) -> None:
+    """The stochastic-rounding seed becomes one uint32 word: an int in [0, 2**32), or a
+    scalar integer array (concrete or traced, taken modulo 2**32)."""
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"{fn}: seed must be {SEED_RANGE}, got bool {seed!r}")
+    if isinstance(seed, (int, np.integer)):
+        if not 0 <= int(seed) < 2 ** 32:
+            raise ValueError(f"{fn}: seed must be {SEED_RANGE}, got {seed!r}")
+        return
+    if isinstance(seed, (np.ndarray, jax.Array, jax.core.Tracer)):
+        if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.size != 1:
+            raise TypeError(f"{fn}: seed must be {SEED_RANGE}, got an array of {seed.dtype}{tuple(seed.shape)}")
+        return
+    raise TypeError(f"{fn}: seed must be {SEED_RANGE}, got {type(seed).__name__} {seed!r}")
 
 
 def concrete_number(x) -> Optional[float]:

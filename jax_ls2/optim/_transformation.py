@@ -211,7 +211,9 @@ def init_state(cfg: Config, params) -> FusedState:
         total = layout_of(leaves).total
         mu = jnp.zeros((total,), o.moment) if cfg.has_mu else None
         nu = jnp.zeros((total,), o.moment) if cfg.has_nu else None
-    seed = jnp.asarray(o.seed).astype(jnp.uint32).reshape(())
+    # An int seed is in [0, 2**32) (checked): as uint32 directly, which int32 cannot hold.
+    seed = jnp.asarray(np.uint32(o.seed) if isinstance(o.seed, (int, np.integer)) else o.seed)
+    seed = seed.astype(jnp.uint32).reshape(())
     return FusedState(
         count=jnp.zeros((), jnp.int32),
         mu=mu,
@@ -301,12 +303,17 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
     fn = cfg.name
     if not isinstance(state, FusedState):
         raise TypeError(f"{fn}: state must be a FusedState from this optimizer's init, got {type(state).__name__}")
+    _check_state_kind(cfg, state)
     check_no_fp8_meta(fn, grads)
+    given = params is not None
     if params is None:
         params = _params_stand_in(cfg, grads, apply=apply)
     p_leaves, treedef = jax.tree.flatten(params)
     flat = isinstance(grads, FlatGrads)
     g_leaves, g_def = ([grads.buffer], None) if flat else jax.tree.flatten(grads)
+    if not flat:
+        _check_grads_fit_the_path(cfg, grads, state, _per_leaf.takes_per_leaf(_per_leaf.as_arrays(p_leaves))
+                                  if given else None)
     per_leaf = _per_leaf.takes_per_leaf(_per_leaf.as_arrays(p_leaves), _per_leaf.as_arrays(g_leaves))
     p_leaves = _per_leaf.checked_leaves(fn, "params", p_leaves, per_leaf)
     layout = layout_of(p_leaves)
@@ -357,6 +364,41 @@ def step(cfg: Config, grads, state: FusedState, params, *, apply: bool):
         mu=mu, nu=nu, master=master, rng=state.rng, loss_scale=scale, good_steps=good,
         grad_norm=grad_norm, finite=finite if rates_ok is None else finite & rates_ok)
     return jax.tree.unflatten(treedef, outs), new_state
+
+
+def _check_state_kind(cfg: Config, state: FusedState) -> None:
+    """A FusedState made by another optimizer's init (sgd's passed to adamw's update, say)
+    holds other buffers: refused, naming the one that differs."""
+    fn = cfg.name
+    for name, wanted, what in (("mu", cfg.has_mu, ("a", "first moment")), ("nu", cfg.has_nu, ("a", "second moment")),
+                               ("master", cfg.options.master_weights, ("", "master weights"))):
+        held = getattr(state, name) is not None
+        if held != wanted:
+            keeps = f"keeps {' '.join(what).strip()} (state.{name})" if wanted else f"keeps no {what[1]}"
+            raise ValueError(f"{fn}: state.{name} is {'None' if wanted else 'set'}, but this {fn} {keeps}: the "
+                             f"state was made by another optimizer's init (an sgd state passed to adamw's update, "
+                             f"say); pass the state this optimizer's init made")
+
+
+def _check_grads_fit_the_path(cfg: Config, grads, state: FusedState, params_per_leaf) -> None:
+    """Float params (the kernel's dtypes) take float32, float16 or bfloat16 gradients: an
+    integer, bool, complex or float64 (x64) gradient leaf is refused by its path (it would
+    otherwise send the step down optax's per-leaf math against a flat state). Without
+    params, the state's moments say which path init chose."""
+    if params_per_leaf is None:  # no params: flat moment buffers mean float params
+        moments = [m for m in (state.mu, state.nu) if m is not None]
+        if not moments or not all(isinstance(m, (jax.Array, jax.core.Tracer)) for m in moments):
+            return
+    elif params_per_leaf:
+        return
+    leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for path, g in leaves:
+        g = _per_leaf.as_arrays([g])[0]
+        if hasattr(g, "dtype") and _per_leaf.takes_per_leaf([g]):
+            raise TypeError(f"{cfg.name}: grads leaf {jax.tree_util.keystr(path) or '(root)'} has dtype {g.dtype}, "
+                            f"but the params are all {_per_leaf.KERNEL_DTYPES_TEXT}: their gradients must be "
+                            f"{_per_leaf.KERNEL_DTYPES_TEXT} too (cast the gradient; a float64 one comes from "
+                            f"jax_enable_x64 or NumPy)")
 
 
 def _state_moments(cfg: Config, state: FusedState, treedef, layout, per_leaf: bool) -> tuple:

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops.cross_entropy import _check_common, _count, _mean_scale
 from jax_ls2.parallel.mesh import TENSOR
@@ -43,7 +44,8 @@ def _token_masks(labels, vocab, cfg):
     return ignored, valid
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(fused_vjp, nondiff_argnums=(2, 3), op="vocab_parallel_cross_entropy",
+                   plain='optax.softmax_cross_entropy_with_integer_labels on the gathered logits')
 def _vp_ce(logits, labels, axis_name, cfg):
     return _vp_ce_fwd(logits, labels, axis_name, cfg)[0]
 

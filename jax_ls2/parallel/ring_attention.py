@@ -73,6 +73,7 @@ import numpy as np
 
 from jax_ls2 import _random
 from jax_ls2._dispatch import match_varying
+from jax_ls2._dispatch import fused_vjp
 from jax_ls2.ops import _checks
 from jax_ls2.ops.flash_attention import attention_keep_mask, flash_attention, flash_attention_bwd, merge_attention
 from jax_ls2.parallel.tensor import bound_axis_size
@@ -355,7 +356,8 @@ def _flash_backward_rows(cfg: _Cfg, q, k, v, mask, key, out, lse, dout):
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(fused_vjp, nondiff_argnums=(0,), op="ring_attention",
+                   plain='jax.nn.dot_product_attention on the whole sequence (jax.lax.all_gather the chunks)')
 def _flash_ring(cfg, q, k, v, mask, key, first_row):
     return _flash_forward(cfg, q, k, v, mask, key, first_row)[0]
 
@@ -479,7 +481,8 @@ def _rsa_backward(cfg: _Cfg, q, k, v, probs, seed, dout):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(fused_vjp, nondiff_argnums=(0,), op="ring_attention",
+                   plain='jax.nn.dot_product_attention on the whole sequence (jax.lax.all_gather the chunks)')
 def _rsa_ring(cfg, q, k, v, mask, seed):
     return _rsa_forward(cfg, q, k, v, mask, seed)[0]
 
@@ -497,12 +500,53 @@ _rsa_ring.defvjp(_rsa_ring_fwd, _rsa_ring_bwd, optimize_remat=True)
 
 
 # ---------------------------------------------------------------- public op
+def _over_the_mesh(q, k, v, size, *, axis_name, padding_mask, key, balance, **kw):
+    """`ring_attention` on whole (batch, L, ...) arrays under ``jit`` with a mesh set that
+    has ``axis_name``: the length checked here, then the op inside ``shard_map`` over it."""
+    op = _OP
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_array(op, name, x, dtypes=None, ndim=4)
+    length = q.shape[1]
+    need = 2 * size if balance == "zigzag" else size
+    if length % need:
+        what = (f"2 x the size ({size}) of mesh axis {axis_name!r} (balance='zigzag': an even chunk)"
+                if balance == "zigzag" else f"the size ({size}) of mesh axis {axis_name!r}")
+        raise ValueError(f"{op}: the sequence length ({length}, q.shape[1]) must be a multiple of {what}; pad the "
+                         f"sequence or change the mesh")
+    for name, x in (("k", k), ("v", v), ("padding_mask", padding_mask)):
+        if x is not None and (getattr(x, "ndim", 0) < 2 or x.shape[1] != length):
+            raise ValueError(f"{op}: {name} must have q's sequence length ({length}) in dim 1, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    split = jax.sharding.PartitionSpec(None, axis_name)
+    args, specs = [q, k, v], [split] * 3
+    if padding_mask is not None:
+        args.append(padding_mask)
+        specs.append(split)
+    if key is not None:
+        args.append(key)
+        specs.append(jax.sharding.PartitionSpec())
+
+    def body(q, k, v, *rest):
+        return ring_attention(q, k, v, axis_name=axis_name, balance=balance,
+                              padding_mask=rest[0] if padding_mask is not None else None,
+                              key=rest[-1] if key is not None else None, **kw)
+
+    return jax.shard_map(body, in_specs=tuple(specs), out_specs=split, axis_names={axis_name})(*args)
+
+
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mask=None, rate: float = 0.0,
                    key=None, deterministic: bool = False, impl: str = "flash", balance: str = "zigzag",
                    scale: float | None = None):
     """Self-attention over a sequence split across the mesh axis ``axis_name``; call
     inside ``shard_map`` over that axis (or ``jax.vmap(..., axis_name=axis_name)`` to
     run the ring on one device). See the module docstring for the algorithms.
+
+    Under ``jit`` with a mesh set (``jax.set_mesh``) that has ``axis_name`` but outside
+    ``shard_map`` over it, pass whole ``(batch, L, ...)`` arrays instead (in the zigzag
+    layout for ``balance="zigzag"``): the op checks that the axis divides ``L`` and runs
+    itself inside ``shard_map`` over the axis, returning the whole ``(batch, L, heads,
+    head_dim)``. (Inside your own ``shard_map``, a length the axis does not divide is
+    refused by ``shard_map`` before the op runs.)
 
     Args:
       q: ``(batch, c, heads, head_dim)``, this device's chunk of ``c`` queries
@@ -528,7 +572,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
 
     Raises:
       ValueError: an unknown ``impl`` or ``balance``; ``axis_name`` not a mapped axis
-        here (outside ``shard_map``, or not one of the mesh's axes); an odd chunk under
+        here (outside ``shard_map``, or not one of the mesh's axes); under ``jit`` with
+        a mesh, a sequence length the axis does not divide; an odd chunk under
         ``balance="zigzag"``; shapes that do not fit.
       TypeError: arrays of the wrong kind or dtype, non-bool flags.
     """
@@ -542,6 +587,10 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, padding_mas
     ring = bound_axis_size(axis_name)
     if ring is None:
         mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and axis_name in mesh.axis_names:
+            return _over_the_mesh(q, k, v, int(mesh.shape[axis_name]), axis_name=axis_name, causal=causal,
+                                  padding_mask=padding_mask, rate=rate, key=key, deterministic=deterministic,
+                                  impl=impl, balance=balance, scale=scale)
         where = (f"the mesh here has axes {tuple(mesh.axis_names)}" if not mesh.empty else
                  "no mesh axis is bound here (not inside shard_map)")
         raise ValueError(f"{op}: axis_name {axis_name!r} must be a mapped axis: call inside shard_map over a mesh "
