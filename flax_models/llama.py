@@ -53,6 +53,12 @@ class Llama(nnx.Module):
     (``init_cache`` first; see `flax_models.decode`).
     ``loss(batch)``: batch {"input_ids", "labels"} (labels = next tokens, -100 ignored)
     and optionally "segment_ids" and "positions".
+
+    Modes, as for GPT: ``cfg.fp8`` (the layers' weight GEMMs in FP8), ``cfg.tensor_axis``
+    with ``cfg.sequence_parallel`` (grouped-query heads and the MLP split over it; build
+    and call under ``jax.set_mesh``), ``cfg.sequence_axis`` (the sequence split, attention
+    through ring attention); `flax_models.pipeline.pipeline_model` runs the layers as
+    pipeline stages.
     """
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
