@@ -33,8 +33,6 @@ from flax_models.gpt import GPT
 from flax_models.llama import Llama
 from flax_models.plain import layers as plain
 from jax_ls2.nn import kv_cache
-from jax_ls2.nn._common import matmul
-from jax_ls2.ops import bias_act_dropout, flash_attention
 
 
 def _library(gpt: GPT) -> str:
@@ -58,14 +56,17 @@ def _library(gpt: GPT) -> str:
 
 class GPTDecoding(nnx.Module):
     """A `GPT` with a decode cache: ``__call__(ids, decode=True)`` runs the GPT's own
-    embedding, layers and tied output on the cache, each layer as its settings say
-    (pre-LN or post-LN, its FFN activation), the final LayerNorm where the stack has one.
-    The GPT's params are shared, not copied. FP8 and tensor-parallel GPTs raise."""
+    embedding, layers and tied output on the cache, the final LayerNorm where the stack
+    has one. With jax_ls2 layers each layer runs itself on its attention's KV cache
+    (``layer(x, decode=True)``); the plain-Flax twin's layers, which have no cache, are
+    run here as their settings say (pre-LN or post-LN, their FFN activation). The GPT's
+    params are shared, not copied. FP8 and tensor-parallel GPTs raise."""
 
     def __init__(self, gpt: GPT):
         self.gpt = gpt
         self.library = _library(gpt)
         self.keys = self.values = self.index = nnx.data(None)
+        self.max_len = None
 
     def init_cache(self, batch: int, max_len: int, dtype=None):
         cfg = self.gpt.cfg
@@ -74,14 +75,20 @@ class GPTDecoding(nnx.Module):
                              f"({cfg.max_len}, its learned positions), got {max_len}")
         layers = self.gpt.decoder.layers
         dtype = dtype or self.gpt.embed.dtype or layers[0].attn.qkv.kernel.dtype
-        variable = kv_cache.KVCache if self.library == "ls2" else nnx.Cache
+        if self.library == "ls2":
+            kv_cache.new_cache(batch, max_len, 1, 1, dtype, "GPTDecoding")  # checks the sizes
+            for layer in layers:
+                layer.attn.init_cache(batch, max_len, dtype)
+            self.index, self.max_len = kv_cache.KVCache(jnp.zeros((), jnp.int32)), max_len
+            return
         caches = [kv_cache.new_cache(batch, max_len, cfg.num_heads, cfg.hidden_size // cfg.num_heads, dtype,
-                                     "GPTDecoding", variable=variable) for _ in layers]
+                                     "GPTDecoding", variable=nnx.Cache) for _ in layers]
         self.keys = nnx.List([k for k, _, _ in caches])
         self.values = nnx.List([v for _, v, _ in caches])
-        self.index = variable(jnp.zeros((), jnp.int32))
+        self.index = nnx.Cache(jnp.zeros((), jnp.int32))
 
     def _attention(self, i, layer, h):
+        """The plain twin's attention on this decoder's cache."""
         b, t, hidden = h.shape
         heads = self.gpt.cfg.num_heads
         qkv = layer.attn.qkv(h).reshape(b, t, 3, heads, hidden // heads)
@@ -90,21 +97,15 @@ class GPTDecoding(nnx.Module):
         k_all, v_all = kv_cache.write(self.keys[i], self.values[i], start, k, v, "GPTDecoding")
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         max_len = k.shape[1]
-        if self.library == "ls2":
-            ctx = flash_attention(q, k, v, bias=kv_cache.visible_bias(start, t, max_len))
-        else:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, max_len)[None, None],
-                                               implementation="xla")
+        ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, max_len)[None, None],
+                                           implementation="xla")
         ctx = kv_cache.nan_past_end(ctx, start, max_len)
         return layer.attn.out(ctx.reshape(b, t, hidden))
 
-    def _ffn(self, layer, h):
-        if self.library == "ls2":
-            y, bias = matmul(h, layer.fc1, layer.dtype)
-            y = bias_act_dropout(y, bias, activation=layer.activation, rate=0.0, deterministic=True)
-        else:
-            y = layer.fc1(h)
-            y = plain.ACTIVATION_FNS[layer.activation](y.astype(jnp.float32)).astype(y.dtype)
+    @staticmethod
+    def _ffn(layer, h):
+        y = layer.fc1(h)
+        y = plain.ACTIVATION_FNS[layer.activation](y.astype(jnp.float32)).astype(y.dtype)
         return layer.fc2(y)
 
     @staticmethod
@@ -121,10 +122,16 @@ class GPTDecoding(nnx.Module):
         if self.index is None:
             raise ValueError("GPTDecoding: decode=True needs a cache; call init_cache(batch, max_len) first")
         b, t = ids.shape
+        if self.max_len is not None and t > self.max_len:
+            raise ValueError(f"GPTDecoding: a decode call of {t} tokens does not fit the cache's max_len "
+                             f"({self.max_len}); call init_cache with a larger max_len or pass fewer tokens per call")
         start = self.index[...]
         x = self.gpt.embed(ids, positions=jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t)),
                            deterministic=True)
         for i, layer in enumerate(self.gpt.decoder.layers):
+            if self.library == "ls2":
+                x = layer(x, causal=True, deterministic=True, decode=True)
+                continue
             x = self._residual(layer, lambda h, i=i, layer=layer: self._attention(i, layer, h), layer.attn_ln, x)
             x = self._residual(layer, lambda h, layer=layer: self._ffn(layer, h), layer.ffn_ln, x)
         self.index[...] = start + t

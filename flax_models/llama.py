@@ -16,6 +16,7 @@ from flax.nnx.nn import dtypes
 
 from flax_models.configs import Config
 from flax_models.plain.stack import remat_call
+from jax_ls2.nn._common import split_sequence
 from jax_ls2.nn.decoder import INIT_STDDEV
 
 
@@ -52,21 +53,26 @@ class Llama(nnx.Module):
     (``init_cache`` first; see `flax_models.decode`).
     ``loss(batch)``: batch {"input_ids", "labels"} (labels = next tokens, -100 ignored)
     and optionally "segment_ids" and "positions".
+
+    Modes, as for GPT: ``cfg.fp8`` (the layers' weight GEMMs in FP8), ``cfg.tensor_axis``
+    with ``cfg.sequence_parallel`` (grouped-query heads and the MLP split over it; build
+    and call under ``jax.set_mesh``), ``cfg.sequence_axis`` (the sequence split, attention
+    through ring attention); `flax_models.pipeline.pipeline_model` runs the layers as
+    pipeline stages.
     """
 
     def __init__(self, cfg: Config, lib, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if cfg.fp8 is not None:
-            raise ValueError("Llama: cfg.fp8 is not supported by the LLaMA-family model (no FP8 decoder layers); "
-                             "leave fp8=None")
-        if cfg.tensor_axis is not None or cfg.sequence_parallel:
-            raise ValueError("Llama: cfg.tensor_axis / cfg.sequence_parallel are not supported by the LLaMA-family "
-                             "model (no tensor-parallel decoder layers); leave tensor_axis=None and "
-                             "sequence_parallel=False")
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.cfg, self.dtype = cfg, dtype
         scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0
         self.embed = lib.Embedding(cfg.vocab_size, cfg.hidden_size, scale=scale, dropout=cfg.hidden_dropout, **kw)
         opts = layer_options(cfg)
+        if cfg.fp8 is not None:
+            opts["fp8"] = cfg.fp8
+        if cfg.sequence_axis is not None:
+            opts.update(sequence_axis=cfg.sequence_axis, sequence_balance=cfg.sequence_balance)
+        if cfg.tensor_axis is not None:
+            opts.update(tensor_axis=cfg.tensor_axis, sequence_parallel=cfg.sequence_parallel)
         self.layers = nnx.List([lib.DecoderLayer(cfg.hidden_size, cfg.ffn_size, cfg.num_heads, **opts, **kw)
                                 for _ in range(cfg.num_layers)])
         if cfg.norm == "rms":
@@ -80,7 +86,8 @@ class Llama(nnx.Module):
         else:
             init = nnx.initializers.normal(INIT_STDDEV)
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), param_dtype))
-        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100)
+        seq = {} if cfg.sequence_axis is None else {"sequence_axis": cfg.sequence_axis}
+        self.criterion = lib.CrossEntropyCriterion(ignore_index=-100, **seq)
 
     def init_cache(self, batch: int, max_len: int, dtype=None):
         """Every layer's decode cache, zeroed (see ``DecoderLayer.init_cache``)."""
@@ -95,6 +102,15 @@ class Llama(nnx.Module):
         def run(layer, x):
             return layer(x, positions=positions, segment_ids=segment_ids, decode=decode)
         x = self.embed(input_ids)
+        if not isinstance(self.layers, nnx.List):  # pipeline stages (flax_models.pipeline.PipelinedDecoder)
+            if positions is not None or segment_ids is not None or decode:
+                raise ValueError("Llama: pipeline stages take no positions, segment_ids or decode; train on "
+                                 "unpacked rows")
+            return self.final_norm(self.layers(x))
+        if self.cfg.sequence_axis is not None:
+            x = split_sequence(x, self.cfg.sequence_axis)
+        if self.cfg.sequence_parallel and not decode:
+            x = split_sequence(x, self.cfg.tensor_axis)
         for layer in self.layers:
             x = remat_call(layer, run, x) if self.cfg.remat and not decode else run(layer, x)
         return self.final_norm(x)

@@ -1,4 +1,5 @@
-"""Pipeline parallelism for the zoo's encoder-stack models (GPT, BERT): the layer stack's
+"""Pipeline parallelism for the zoo's encoder-stack models (GPT, BERT) and the LLaMA
+family (its `jax_ls2.nn.DecoderLayer` list, `PipelinedDecoder`): the layer stack's
 layers split into stages over the ``pipe`` mesh axis, micro-batches run through the
 GPipe schedule of `jax_ls2.parallel.pipeline`.
 
@@ -30,13 +31,34 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import dataclasses
+
 from jax_ls2 import _random
-from jax_ls2.nn import TransformerEncoder
+from jax_ls2.nn import DecoderLayer, TransformerEncoder
 from jax_ls2.nn._common import resolve_deterministic, tensor_axis_size
 from jax_ls2.parallel.mesh import DATA, PIPE
 from jax_ls2.parallel.pipeline import pipeline
 
 _OWNER = "PipelinedEncoder"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSettings:
+    """What the pipeline reads of a stack's layers (a `jax_ls2.nn.LayerConfig` has
+    these fields; a `jax_ls2.nn.DecoderLayer` these attributes)."""
+    fp8: object
+    sequence_axis: str | None
+    sequence_balance: str
+    tensor_axis: str | None
+    sequence_parallel: bool
+    attn_dropout: float
+    activation_dropout: float
+    hidden_dropout: float
+    attention_backend: str
+
+    @classmethod
+    def of(cls, source):
+        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
 
 
 def _stacked_variable(variables, pipe_axis: str):
@@ -77,21 +99,28 @@ class PipelinedEncoder(nnx.Module):
             raise TypeError(f"{_OWNER}: stack must be a jax_ls2.nn.TransformerEncoder, got {type(stack).__name__}")
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"{_OWNER}: num_microbatches must be a positive int, got {num_microbatches!r}")
-        c = stack.config
+        self._setup(stack.config, list(stack.layers), stack.remat, stack.final_ln, num_microbatches, pipe_axis,
+                    data_axis)
+
+    def _setup(self, c, layers, remat, final_ln, num_microbatches, pipe_axis, data_axis):
         if c.fp8 is not None:
             raise ValueError(f"{_OWNER}: fp8 layers are not supported with pipeline parallelism (their scaling "
                              f"state is per step, not per micro-batch)")
-        self.config = c
-        self.num_layers = len(stack.layers)
+        self.config = StackSettings.of(c)
+        self.num_layers = len(layers)
         self.num_microbatches = num_microbatches
         self.pipe_axis, self.data_axis = pipe_axis, data_axis
-        self.remat = stack.remat
-        graphdef, _ = nnx.split(stack.layers[0])
-        states = [nnx.state(layer) for layer in stack.layers]
+        self.remat = remat
+        graphdef, _ = nnx.split(layers[0])
+        states = [nnx.state(layer) for layer in layers]
         stacked = jax.tree.map(lambda *vs: _stacked_variable(vs, pipe_axis), *states,
                                is_leaf=lambda v: isinstance(v, nnx.Variable))
         self.layers = nnx.merge(graphdef, stacked)
-        self.final_ln = stack.final_ln
+        self.final_ln = final_ln
+
+    @staticmethod
+    def _apply(layer, h, *, padding_mask, causal, deterministic, key):
+        return layer(h, padding_mask=padding_mask, causal=causal, deterministic=deterministic, rngs=key)
 
     def _stages(self) -> int:
         stages = tensor_axis_size(self.pipe_axis)
@@ -175,8 +204,8 @@ class PipelinedEncoder(nnx.Module):
 
                 def one(h, layer):
                     layer_state, key = layer
-                    return nnx.merge(graphdef, layer_state)(h, padding_mask=micro_mask, causal=causal,
-                                                            deterministic=det, rngs=key), None
+                    return self._apply(nnx.merge(graphdef, layer_state), h, padding_mask=micro_mask, causal=causal,
+                                       deterministic=det, key=key), None
                 one = jax.checkpoint(one) if remat else one
                 with _random.batch_rows_from(first_row + index * rows):
                     return jax.lax.scan(one, h, (layer_states, layer_keys))[0]
@@ -194,9 +223,36 @@ class PipelinedEncoder(nnx.Module):
         return y if self.final_ln is None else self.final_ln(y)
 
 
+class PipelinedDecoder(PipelinedEncoder):
+    """A LLaMA-family model's `jax_ls2.nn.DecoderLayer` s as GPipe stages over
+    ``pipe_axis``, as `PipelinedEncoder` (``__call__(x, *, deterministic=None)``: x
+    (batch, len, hidden) -> same, causal; no final norm: the model applies its own).
+    Rotary positions are each token's place in the whole sequence; segment ids are not
+    supported. ``layers``: one `DecoderLayer` holding the layers' variables stacked."""
+
+    def __init__(self, layers, *, remat: bool = False, num_microbatches: int, pipe_axis: str = PIPE,
+                 data_axis: str = DATA):
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, DecoderLayer) for layer in layers):
+            raise TypeError(f"PipelinedDecoder: layers must be jax_ls2.nn.DecoderLayer s, got "
+                            f"{sorted({type(layer).__name__ for layer in layers})}")
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"PipelinedDecoder: num_microbatches must be a positive int, got {num_microbatches!r}")
+        self._setup(layers[0], layers, remat, None, num_microbatches, pipe_axis, data_axis)
+
+    @staticmethod
+    def _apply(layer, h, *, padding_mask, causal, deterministic, key):
+        del padding_mask, causal  # always causal, no padding
+        return layer(h, deterministic=deterministic, rngs=key)
+
+    def __call__(self, x, *, deterministic: bool | None = None):
+        return super().__call__(x, causal=True, deterministic=deterministic)
+
+
 def pipeline_model(model, *, num_microbatches: int, pipe_axis: str = PIPE, data_axis: str = DATA):
     """``model`` (a zoo GPT or BERT on jax_ls2 layers, e.g. ``flax_models.build(cfg)``)
-    with its layer stack replaced by a `PipelinedEncoder` of the same layers and values,
+    with its layer stack replaced by a `PipelinedEncoder` of the same layers and values
+    (a LLaMA-family model: its ``layers`` by a `PipelinedDecoder`),
     in place; returns it. Then place its state with
     ``jax_ls2.parallel.mesh.shard_module(model, mesh)`` and train it under
     ``jax.set_mesh(mesh)`` as the unpipelined model: ``model.loss(batch)`` runs the
@@ -206,9 +262,15 @@ def pipeline_model(model, *, num_microbatches: int, pipe_axis: str = PIPE, data_
 
     Raises:
       ValueError: a model without exactly one ``jax_ls2.nn.TransformerEncoder`` stack
-        (the encoder-decoder Transformer, ViT's and LLaMA's stacks are not supported),
+        or a list of ``DecoderLayer`` s (the encoder-decoder Transformer and ViT's
+        stacks are not supported),
         or a stack `PipelinedEncoder` does not take.
     """
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nnx.List) and layers and all(isinstance(layer, DecoderLayer) for layer in layers):
+        model.layers = PipelinedDecoder(layers, remat=bool(model.cfg.remat), num_microbatches=num_microbatches,
+                                        pipe_axis=pipe_axis, data_axis=data_axis)
+        return model
     stacks = [name for name, value in vars(model).items() if isinstance(value, TransformerEncoder)]
     if len(stacks) != 1 or any(type(v).__name__ == "TransformerDecoder" for v in vars(model).values()):
         raise ValueError(f"pipeline_model: the model needs exactly one jax_ls2.nn.TransformerEncoder layer stack and "
@@ -230,6 +292,8 @@ def unpipelined_state(state, like):
         if not isinstance(want, dict):
             return stacked
         if want and all(isinstance(k, int) for k in want) and not any(isinstance(k, int) for k in stacked):
+            if set(stacked) == {"layers"}:  # a PipelinedDecoder in the place of the layer list
+                stacked = stacked["layers"]
             return {i: unstack(jax.tree.map(lambda a: a[i], stacked), want[i]) for i in want}
         return {k: unstack(stacked[k], w) for k, w in want.items()}
 
@@ -239,4 +303,4 @@ def unpipelined_state(state, like):
     return out
 
 
-__all__ = ["PipelinedEncoder", "pipeline_model", "unpipelined_state"]
+__all__ = ["PipelinedDecoder", "PipelinedEncoder", "StackSettings", "pipeline_model", "unpipelined_state"]

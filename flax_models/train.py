@@ -272,15 +272,15 @@ def config_from(args):
 
 
 # ---------------------------------------------------------------------------- the mesh
-PIPE_FAMILIES = ("bert", "gpt")
+PIPE_FAMILIES = ("bert", "gpt", "llama")
 """The families whose layer stack runs as pipeline stages over the pipe axis
 (`flax_models.pipeline`)."""
-TENSOR_FAMILIES = ("bert", "gpt", "transformer")
+TENSOR_FAMILIES = ("bert", "gpt", "llama", "transformer")
 """The families whose layers split over the tensor axis (``Config.tensor_axis``)."""
 TEXT_FAMILIES = ("bert", "gpt", "llama")
 """The families trained on token sequences of at most ``max_len`` (`flax_models.data`)."""
 
-SEQ_FAMILIES = ("bert", "gpt")
+SEQ_FAMILIES = ("bert", "gpt", "llama")
 """The families whose layers and loss run on sequence parts over the seq axis
 (``Config.sequence_axis``), attention through ring attention."""
 
@@ -301,7 +301,9 @@ def mesh_from(p: argparse.ArgumentParser, args, cfg, batch_size, seq_len):
     except ValueError as e:
         p.error(f"--mesh: {e}")
     tensor = sizes[parallel.TENSOR]
-    for what, n in (("heads", cfg.num_heads), ("FFN width", cfg.ffn_size), ("vocabulary", cfg.vocab_size)):
+    kv_heads = (cfg.num_kv_heads or cfg.num_heads) if cfg.family == "llama" else cfg.num_heads
+    for what, n in (("heads", cfg.num_heads), ("key/value heads", kv_heads), ("FFN width", cfg.ffn_size),
+                    ("vocabulary", cfg.vocab_size)):
         if n % tensor:
             p.error(f"--mesh: tensor={tensor} does not divide the {n} {what} of {cfg.family}/{args.preset}; "
                     f"use a tensor size dividing {n}")
@@ -364,8 +366,9 @@ def check_sequence_split(p: argparse.ArgumentParser, args, cfg, size: int, seq_l
         p.error(f"--mesh: {name} does not divide --seq {seq_len}; use a sequence length that is a multiple "
                 f"of {size}")
     if args.sequence_balance == "zigzag":
-        if cfg.family != "gpt":
-            p.error(f"--sequence-balance zigzag balances causal attention (gpt), not {cfg.family}'s; leave it out")
+        if cfg.family not in ("gpt", "llama"):
+            p.error(f"--sequence-balance zigzag balances causal attention (gpt), not {cfg.family}'s; it applies "
+                    "to gpt and llama; leave it out")
         if seq_len % (2 * size):
             p.error(f"--mesh: {name} with --sequence-balance zigzag needs --seq a multiple of {2 * size} "
                     f"(2 x seq), got {seq_len}")

@@ -6,6 +6,8 @@ Each layer has a plain-Flax twin with the same constructor and parameter tree in
 """
 from jax_ls2.nn.attention import BACKENDS, MultiHeadAttention, attention_core, select_backend
 from jax_ls2.nn.config import LayerConfig
+from jax_ls2.nn.rope import RotaryConfig
+from jax_ls2.nn.mlp import MLP
 from jax_ls2.nn.criterion import CrossEntropyCriterion
 from jax_ls2.nn.embedding import Embedding
 from jax_ls2.nn.layers import (Dropout, LayerNorm, TransformerDecoderLayer,
@@ -20,4 +22,4 @@ __all__ = ["BACKENDS", "CrossEntropyCriterion", "Dropout", "Embedding", "LayerCo
            "TransformerEncoder", "TransformerEncoderLayer", "TransformerLayer",
            "attention_core", "select_backend"]
 __all__ += ["DecoderLayer", "KVCache", "RMSNorm"]
-__all__ += ["tensor_parallel_state"]
+__all__ += ["tensor_parallel_state", "RotaryConfig", "MLP"]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax_ls2._deprecation import renamed
 from jax_ls2.nn._common import (check_activation, check_fp8, check_heads, check_rate, check_sequence_axis,
                                 check_sequence_balance, check_tensor_parallel)
-from jax_ls2.nn.attention import BACKENDS
+from jax_ls2.nn.backend import BACKENDS
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
 # flax.nnx.LayerNorm's default is 1e-6.
@@ -39,7 +39,7 @@ class LayerConfig:
         (attention probabilities, after the FFN activation, before each residual add),
         each in [0, 1).
       epsilon: LayerNorm epsilon (default 1e-5; ``flax.nnx.LayerNorm``'s is 1e-6).
-      attention_backend: "auto", "cudnn", "fused", "xla" or "flash" (see jax_ls2.nn.attention).
+      attention_backend: "auto", "cudnn", "fused", "xla" or "flash" (see jax_ls2.nn.backend).
       deterministic: default for dropout (``model.train()``/``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       fp8: None (default: no FP8) or a `jax_ls2.fp8.DelayedScaling`: every weight GEMM of

@@ -2,9 +2,8 @@
 
 ``x + attn(norm(x))`` then ``+ mlp(norm(.))``, no biases anywhere: RMSNorm (or
 LayerNorm), rotary position embeddings on q and k (`jax_ls2.ops.rotary`), grouped-query
-causal attention (cuDNN's fused attention where it applies, else
-`jax_ls2.ops.flash_attention`, which also takes segment ids for packed sequences and
-dropout), and a gated MLP (`jax_ls2.ops.gated_act_dropout` on one ``[gate | up]``
+causal attention (`jax_ls2.nn.MultiHeadAttention`, its backend chosen by
+`jax_ls2.nn.backend.select_backend`), and a gated MLP (`jax_ls2.ops.gated_act_dropout` on one ``[gate | up]``
 GEMM). The residual add before the MLP's norm is fused into that norm (``residual=``).
 
 The families as settings (the rest as their checkpoints say)::
@@ -33,26 +32,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ls2.nn import kv_cache
-from jax_ls2.nn._common import (check_hidden, check_positive_int, check_rate, draw_key, resolve_deterministic,
-                                rng_stream)
+from jax_ls2.fp8 import FP8DotMeta
+from jax_ls2.nn._common import (FP8Gemm, check_fp8, check_hidden, check_positive_int, check_rate, draw_key,
+                                require_tensor_axis, resolve_deterministic)
+from jax_ls2.parallel.tensor import ColumnParallelLinear, RowParallelLinear, bound_axis_size
+from jax_ls2.nn.attention import MultiHeadAttention
 from jax_ls2.nn.config import EPSILON
-from jax_ls2.nn.attention import cudnn_applies
 from jax_ls2.nn.layers import LayerNorm
+from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.rms_norm import RMSNorm
-from jax_ls2.ops import dropout, flash_attention, gated_act_dropout, rotary
+from jax_ls2.nn.rope import RotaryConfig
+from jax_ls2.ops import dropout
 from jax_ls2.ops.gated_act import GATED_ACTIVATIONS
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
 
 NORMS = ("rms", "layer")
+# The backends the decoder layer offers: its packed sequences and grouped-query heads
+# run through flash or cuDNN; the explicit-GEMM paths ("fused", "xla") are the
+# LightSeq2 layers'.
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn")
 # Hugging Face's LLaMA initializer_range: every projection kernel ~ N(0, 0.02).
 INIT_STDDEV = 0.02
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm decoder block (see the module docstring).
+class DecoderLayer(MultiHeadAttention):
+    """Pre-norm decoder block (see the module docstring): a `MultiHeadAttention` (its
+    ``qkv`` and ``out`` at the layer's top level, the checkpoints' layout) with its
+    norms and gated MLP (`jax_ls2.nn.mlp.mlp_forward` over ``gate_up`` and ``down``)
+    around it.
 
     Args:
       hidden_size, ffn_size, num_heads: model width, gated-MLP width (the ``up`` width),
@@ -63,18 +71,29 @@ class DecoderLayer(nnx.Module):
         1e-6 for "rms", 1e-5 for "layer"); unit_offset: RMSNorm weight ``1 + scale``.
       activation: "swiglu", "geglu" or "geglu_tanh" (see `ops.gated_act_dropout`).
       rope_theta, rotary_dim, rope_scaling (a `jax_ls2.ops.RotaryScaling` or None),
-        interleaved: the rotary embedding (see `ops.rotary`).
+        interleaved: the rotary embedding (see `ops.rotary`, `jax_ls2.nn.RotaryConfig`).
       attn_dropout, activation_dropout, hidden_dropout: dropout on the attention
         probabilities, after the gated activation, and on each branch before its
         residual add.
-      attention_backend: "auto" (cuDNN through ``jax.nn.dot_product_attention`` when it
-        takes the call: a GPU, fp16/bf16, head_dim a multiple of 8 up to 128, length a
-        multiple of 64, no attention dropout, no segment ids, not decoding; XLA's
-        attention over the masked cache when decoding; otherwise "flash"), "flash" (`jax_ls2.ops.flash_attention` always) or "cudnn" (an error
-        where cuDNN does not take the call).
+      attention_backend: one of `ATTENTION_BACKENDS`, chosen as every attention's
+        (`jax_ls2.nn.backend.select_backend`: "auto" is cuDNN where it takes the call,
+        XLA's attention over the masked cache when decoding, flash for grouped-query
+        heads or segment ids; "cudnn" raises where cuDNN does not take the call).
       deterministic: dropout default (``model.train()`` / ``model.eval()`` set it).
       dtype: compute dtype (None: promote inputs and params); param_dtype: storage dtype.
       kernel_init: the projections' initializer (N(0, 0.02) as Hugging Face's LLaMA).
+      fp8: None or a `jax_ls2.fp8.DelayedScaling`: the four weight GEMMs (qkv, out,
+        gate_up, down) through `jax_ls2.fp8.fp8_dot`, metas ``qkv_fp8``, ``out_fp8``,
+        ``gate_up_fp8``, ``down_fp8`` (``FP8Meta`` variables, not params);
+        fp8_amax_axes: their amax reduction axes inside ``shard_map``.
+      sequence_axis, sequence_balance: the sequence split over that mesh axis, attention
+        through ring attention (as `MultiHeadAttention`'s; "zigzag" balances the causal
+        work).
+      tensor_axis, sequence_parallel: Megatron tensor (and sequence) parallelism over
+        that mesh axis: the attention's as `MultiHeadAttention`'s (num_kv_heads a
+        multiple of its size), ``gate_up`` a `jax_ls2.parallel.ColumnParallelLinear`
+        (hidden, (2, ffn)) and ``down`` a `RowParallelLinear`; under
+        ``sequence_parallel`` x comes split along the sequence over the tensor axis.
       rngs: ``nnx.Rngs`` (params from ``params``, dropout keys from ``dropout``).
 
     ``__call__(x, *, positions=None, segment_ids=None, deterministic=None, rngs=None,
@@ -84,6 +103,8 @@ class DecoderLayer(nnx.Module):
     earlier tokens of its own segment (give positions restarting at each segment too).
     """
 
+    _owner = "DecoderLayer"
+
     def __init__(self, hidden_size: int, ffn_size: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, norm: str = "rms", activation: str = "swiglu",
                  epsilon: float | None = None, unit_offset: bool = False, rope_theta: float = 10000.0,
@@ -91,20 +112,17 @@ class DecoderLayer(nnx.Module):
                  interleaved: bool = False, attn_dropout: float = 0.0, activation_dropout: float = 0.0,
                  hidden_dropout: float = 0.0, attention_backend: str = "auto",
                  deterministic: bool | None = None, dtype=None,
-                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), rngs: nnx.Rngs):
-        o = "DecoderLayer"
+                 param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(INIT_STDDEV), fp8=None,
+                 fp8_amax_axes=(), sequence_axis: str | None = None, sequence_balance: str = "none",
+                 tensor_axis: str | None = None, sequence_parallel: bool = False, rngs: nnx.Rngs):
+        o = self._owner
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_heads", num_heads)):
             check_positive_int(o, name, value)
         check_positive_int(o, "num_kv_heads", num_kv_heads, allow_none=True)
         check_positive_int(o, "head_dim", head_dim, allow_none=True)
-        num_kv_heads = num_kv_heads or num_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"{o}: num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"{o}: hidden_size ({hidden_size}) must be a multiple of num_heads "
-                                 f"({num_heads}) unless head_dim is given")
-            head_dim = hidden_size // num_heads
+        if head_dim is None and hidden_size % num_heads:
+            raise ValueError(f"{o}: hidden_size ({hidden_size}) must be a multiple of num_heads "
+                             f"({num_heads}) unless head_dim is given")
         if norm not in NORMS:
             raise ValueError(f"{o}: norm must be one of {NORMS}, got {norm!r}")
         if activation not in GATED_ACTIVATIONS:
@@ -115,116 +133,85 @@ class DecoderLayer(nnx.Module):
             epsilon = RMS_EPSILON if norm == "rms" else EPSILON
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
             raise ValueError(f"{o}: epsilon must be a positive float, got {epsilon!r}")
-        rd = head_dim if rotary_dim is None else rotary_dim
-        if isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2 or rd > head_dim:
-            raise ValueError(f"{o}: rotary_dim must be an even int from 2 to head_dim ({head_dim}), got {rotary_dim!r}")
-        self.hidden_size, self.ffn_size, self.num_heads = hidden_size, ffn_size, num_heads
-        self.num_kv_heads, self.head_dim, self.norm, self.activation = num_kv_heads, head_dim, norm, activation
-        self.rope_theta, self.rotary_dim, self.interleaved = float(rope_theta), rd, interleaved
-        self.rope_scaling = rope_scaling
-        self.attn_dropout = check_rate(o, "attn_dropout", attn_dropout)
-        self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
-        self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{o}: attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
-        self.attention_backend = attention_backend
-        self.deterministic, self.dtype = deterministic, dtype
+        rotary = RotaryConfig(theta=float(rope_theta), rotary_dim=rotary_dim, scaling=rope_scaling,
+                              interleaved=interleaved)
+        super().__init__(hidden_size, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, use_bias=False,
+                         rotary=rotary, attn_dropout=attn_dropout, attention_backend=attention_backend,
+                         deterministic=deterministic, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+                         fp8=fp8, fp8_amax_axes=fp8_amax_axes, sequence_axis=sequence_axis,
+                         sequence_balance=sequence_balance, tensor_axis=tensor_axis,
+                         sequence_parallel=sequence_parallel, rngs=rngs)
+        self.ffn_size, self.norm, self.activation = ffn_size, norm, activation
+        self.rope_theta, self.interleaved, self.rope_scaling = float(rope_theta), interleaved, rope_scaling
+        self.activation_dropout = check_rate(o, "activation_dropout", activation_dropout)
+        self.hidden_dropout = check_rate(o, "hidden_dropout", hidden_dropout)
         if norm == "rms":
             make_norm = lambda: RMSNorm(hidden_size, epsilon=epsilon, unit_offset=unit_offset, dtype=dtype,
                                         param_dtype=param_dtype)
         else:
             make_norm = lambda: LayerNorm(hidden_size, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype)
         lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.attn_norm = make_norm()
-        self.qkv = nnx.Linear(hidden_size, q_size + 2 * kv_size, **lin)
-        self.out = nnx.Linear(q_size, hidden_size, **lin)
         self.mlp_norm = make_norm()
-        self.gate_up = nnx.Linear(hidden_size, 2 * ffn_size, **lin)
-        self.down = nnx.Linear(ffn_size, hidden_size, **lin)
-        self.rngs = rng_stream(rngs)
-        self.cache_k = self.cache_v = self.cache_index = nnx.data(None)
+        if tensor_axis is None:
+            self.gate_up = nnx.Linear(hidden_size, 2 * ffn_size, **lin)
+            self.down = nnx.Linear(ffn_size, hidden_size, **lin)
+        else:
+            tp = dict(lin, tensor_axis=tensor_axis, sequence_dim=self._seq_dim)
+            self.gate_up = ColumnParallelLinear(hidden_size, (2, ffn_size), **tp)
+            self.down = RowParallelLinear(ffn_size, hidden_size, **tp)
+        if fp8 is not None:
+            check_fp8(o, fp8, fp8_amax_axes, {"ffn_size": ffn_size})
+            self.gate_up_fp8, self.down_fp8 = FP8DotMeta(fp8), FP8DotMeta(fp8)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None):
-        """A zeroed `KVCache` for ``batch`` sequences of up to ``max_len`` positions, keys
-        and values in ``dtype`` (default: the compute dtype, else the param dtype)."""
-        dtype = dtype or self.dtype or self.qkv.kernel.dtype
-        self.cache_k, self.cache_v, self.cache_index = kv_cache.new_cache(
-            batch, max_len, self.num_kv_heads, self.head_dim, dtype, "DecoderLayer")
+    def _shard_spec(self, ndim: int, mlp: bool = False):
+        """Inside ``shard_map``, the fused dropout ops' ``shard_spec`` of a (batch, len,
+        ..., features) activation: its sequence dim over the sequence axis where that is
+        bound, or (not for the MLP's gathered rows) over the tensor axis under sequence
+        parallelism, so each device draws its block of the unsplit layer's mask; None
+        under ``jit`` (the ops see the sharding)."""
+        spec = [None] * ndim
+        if self.sequence_axis is not None and bound_axis_size(self.sequence_axis) is not None:
+            spec[1] = self.sequence_axis
+        elif not mlp and self.sequence_parallel and bound_axis_size(self.tensor_axis) is not None:
+            spec[1] = self.tensor_axis
+        return tuple(spec) if any(spec) else None
+
+    def _mlp_gemms(self):
+        """The `FP8Gemm` s of ``gate_up`` and ``down`` (Nones without fp8)."""
+        if self.fp8 is None:
+            return None, None
+        return tuple(FP8Gemm(m, self.fp8, self.fp8_amax_axes) for m in (self.gate_up_fp8, self.down_fp8))
 
     def _keys(self, det, rngs):
         if det or not (self.attn_dropout or self.activation_dropout or self.hidden_dropout):
             return [None] * 4
-        key = draw_key("DecoderLayer", self.rngs, rngs)
+        key = draw_key(self._owner, self.rngs, rngs)
         return [jax.random.fold_in(key, i) for i in range(4)]
-
-    def _check(self, x, positions, segment_ids, decode):
-        o = "DecoderLayer"
-        check_hidden(o, x, self.hidden_size)
-        if x.ndim != 3:
-            raise ValueError(f"{o}: x must have shape (batch, len, {self.hidden_size}), got {tuple(x.shape)}")
-        for name, a in (("positions", positions), ("segment_ids", segment_ids)):
-            if a is None:
-                continue
-            if tuple(a.shape) != x.shape[:2] or not jnp.issubdtype(a.dtype, jnp.integer):
-                raise ValueError(f"{o}: {name} must be integer of shape {x.shape[:2]}, got {a.dtype}{tuple(a.shape)}")
-        if decode:
-            if self.cache_k is None:
-                raise ValueError(f"{o}: decode=True needs a cache; call init_cache(batch, max_len) first")
-            if self.cache_k.shape[0] != x.shape[0]:
-                raise ValueError(f"{o}: x has batch {x.shape[0]}, the cache was made for {self.cache_k.shape[0]}")
-            if segment_ids is not None:
-                raise ValueError(f"{o}: segment_ids do not apply when decoding")
-
-    def _use_cudnn(self, length, dtype, dropout_active, masked) -> bool:
-        if self.attention_backend == "flash":
-            return False
-        applies = not (dropout_active or masked) and cudnn_applies(length, length, self.head_dim, dtype)
-        if self.attention_backend == "cudnn" and not applies:
-            raise ValueError("DecoderLayer: attention_backend='cudnn' does not take this call (it needs a GPU, "
-                             "fp16/bf16, head_dim a multiple of 8 up to 128, a length multiple of 64, no attention "
-                             f"dropout, no segment ids, no decoding); got length {length}, head_dim {self.head_dim}, "
-                             f"dtype {jnp.dtype(dtype).name}, dropout {dropout_active}, segments/decode {masked}")
-        return applies
 
     def __call__(self, x, *, positions=None, segment_ids=None, deterministic: bool | None = None, rngs=None,
                  decode: bool = False):
-        self._check(x, positions, segment_ids, decode)
-        det = resolve_deterministic("DecoderLayer", deterministic, self.deterministic)
+        o = self._owner
+        check_hidden(o, x, self.hidden_size)
+        if x.ndim != 3:
+            raise ValueError(f"{o}: x must have shape (batch, len, {self.hidden_size}), got {tuple(x.shape)}")
+        if self.tensor_axis is not None:
+            require_tensor_axis(o, self.tensor_axis, {"ffn_size": self.ffn_size})
+        det = resolve_deterministic(o, deterministic, self.deterministic)
         k_attn, k_act, k_res1, k_res2 = self._keys(det, rngs)
-        b, t, _ = x.shape
-        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h, x = self.attn_norm(x, return_input=True)
-        qkv = self.qkv(h)
-        q = qkv[..., :nq * d].reshape(b, t, nq, d)
-        k = qkv[..., nq * d:(nq + nkv) * d].reshape(b, t, nkv, d)
-        v = qkv[..., (nq + nkv) * d:].reshape(b, t, nkv, d)
-        start = self.cache_index[...] if decode else 0
-        if positions is None:
-            positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k = rotary(q, k, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim,
-                      interleaved=self.interleaved, scaling=self.rope_scaling)
-        attn = dict(causal=True, segment_ids=segment_ids)
-        if decode:
-            k_all, v_all = kv_cache.write(self.cache_k, self.cache_v, start, k, v, "DecoderLayer")
-            self.cache_index[...] = start + t
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-            attn = dict(bias=kv_cache.visible_bias(start, t, k.shape[1]))
-        dropout_active = not (det or k_attn is None) and self.attn_dropout > 0
-        if decode and self.attention_backend == "auto" and not dropout_active:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=kv_cache.visible(start, t, k.shape[1])[None, None],
-                                               implementation="xla")
-        elif self._use_cudnn(t, q.dtype, dropout_active, segment_ids is not None or decode):
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        else:
-            ctx = flash_attention(q, k, v, rate=self.attn_dropout, key=k_attn, deterministic=not dropout_active,
-                                  **attn)
-        if decode:
-            ctx = kv_cache.nan_past_end(ctx, start, k.shape[1])
-        a = self.out(ctx.reshape(b, t, nq * d))
-        a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout)
+        ctx = self.context(h, causal=True, key=k_attn, deterministic=det or k_attn is None, positions=positions,
+                           segment_ids=segment_ids, decode=decode)
+        a = self.output(ctx)[0]
+        spec = self._shard_spec(a.ndim)
+        a = dropout(a, rate=self.hidden_dropout, key=k_res1, deterministic=det or not self.hidden_dropout,
+                    shard_spec=spec)
         h, x = self.mlp_norm(a, residual=x.astype(a.dtype))
-        y = gated_act_dropout(self.gate_up(h), activation=self.activation, rate=self.activation_dropout,
-                              key=k_act, deterministic=det or not self.activation_dropout)
-        y = self.down(y)
-        return x + dropout(y, rate=self.hidden_dropout, key=k_res2, deterministic=det or not self.hidden_dropout)
+        y = mlp_forward(h, self.gate_up, self.down, activation=self.activation, rate=self.activation_dropout,
+                        key=k_act, deterministic=det or not self.activation_dropout, dtype=self.dtype,
+                        fp8=self._mlp_gemms(), tensor_axis=self.tensor_axis, sequence_dim=self._seq_dim,
+                        shard_spec=lambda ndim, dim: self._shard_spec(ndim, mlp=True))[0]
+        return x + dropout(y, rate=self.hidden_dropout, key=k_res2, deterministic=det or not self.hidden_dropout,
+                           shard_spec=spec)

@@ -17,12 +17,12 @@ from flax.nnx.nn import dtypes
 from jax_ls2.fp8 import FP8DotMeta
 from jax_ls2.fp8.fused import fp8_mlp, layernorm_fp8_dot
 from jax_ls2 import ops
-from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, matmul, promoted_dtype,
+from jax_ls2.nn._common import (FP8Gemm, check_fp8_device, check_hidden, check_rate, draw_key, promoted_dtype,
                                 require_tensor_axis, resolve_deterministic, rng_stream, split_sequence,
                                 tensor_axis_size)
-from jax_ls2.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, bound_axis_size,
-                                     column_parallel_linear, row_parallel_linear)
-from jax_ls2.nn.attention import MultiHeadAttention
+from jax_ls2.parallel.tensor import ColumnParallelLinear, RowParallelLinear, bound_axis_size
+from jax_ls2.nn.attention import MultiHeadAttention, grouped_qkv, ungrouped_qkv
+from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.config import EPSILON, LayerConfig, layer_config
 
 
@@ -288,28 +288,17 @@ class _Block(nnx.Module):
         return fused
 
     def _ffn(self, h, det, key, seq_first):
-        if self.config.tensor_axis is not None:
-            return self._tensor_parallel_ffn(h, det, key)
-        if self._fp8_fusable_ffn(det):
-            return self._fp8_mlp(h)[:2]
-        y, b = matmul(h, self.fc1, self.dtype, self._fc_gemm("fc1"))
-        y = ops.bias_act_dropout(y, b, activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det, seq_first=seq_first,
-                                 shard_spec=self._shard_spec(y.ndim, None))
-        return matmul(y, self.fc2, self.dtype, self._fc_gemm("fc2"))
-
-    def _tensor_parallel_ffn(self, h, det, key):
-        """Megatron MLP: column-parallel fc1, the fused bias + activation + dropout on the
-        FFN features split over the tensor axis (the unsplit layer's mask, nothing
-        gathered), row-parallel fc2. Returns (y, fc2 bias) as `matmul`."""
+        """The FFN as `jax_ls2.nn.mlp.mlp_forward` (Megatron's with ``tensor_axis``: the
+        fused bias + activation + dropout on the FFN features split over the tensor axis,
+        the unsplit layer's mask, nothing gathered), or one `fp8_mlp` (FP8 without
+        activation dropout). Returns (y, fc2 bias) as `matmul`."""
         c = self.config
-        kw = dict(axis_name=c.tensor_axis, sequence_dim=self._seq_dim, dtype=self.dtype)
-        w1, b1 = self.fc1.kernel[...], self.fc1.bias[...]
-        y = column_parallel_linear(h, w1, None, **kw)
-        a = ops.bias_act_dropout(y, b1.astype(y.dtype), activation=self.activation, rate=self.activation_dropout,
-                                 key=key, deterministic=det, shard_spec=self._shard_spec(y.ndim, y.ndim - 1))
-        w2, b2 = self.fc2.kernel[...], self.fc2.bias[...]
-        return row_parallel_linear(a, w2, None, **kw), b2.astype(promoted_dtype(self.dtype, a, w2, b2))
+        if c.tensor_axis is None and self._fp8_fusable_ffn(det):
+            return self._fp8_mlp(h)[:2]
+        return mlp_forward(h, self.fc1, self.fc2, activation=self.activation, rate=self.activation_dropout, key=key,
+                           deterministic=det, dtype=self.dtype, fp8=(self._fc_gemm("fc1"), self._fc_gemm("fc2")),
+                           tensor_axis=c.tensor_axis, sequence_dim=self._seq_dim, shard_spec=self._shard_spec,
+                           seq_first=seq_first)
 
     def _attn_sub(self, mha, det, key, **kw):
         def sub(h):
@@ -351,13 +340,16 @@ class TransformerEncoderLayer(_Block):
     __doc__ = """Encoder layer: self-attention + FFN, each with a residual.
 
     ``__call__(x, *, padding_mask=None, causal=False, deterministic=None, rngs=None,
-    output_copies=1, seq_first=False)``: x (batch, len, hidden) -> same shape, or (len,
+    output_copies=1, seq_first=False, decode=False)``: x (batch, len, hidden) -> same
+    shape, or (len,
     batch, hidden) with ``seq_first`` (the layout whose attention GEMMs need no
     transposes when attention is not one fused call; `TransformerEncoder` picks it);
     padding_mask bool (batch, len), True = token. Post-LN, ``output_copies=4`` returns the closing LayerNorm's
     output four times, which the next post-LN layer takes as its x (the inputs of its q,
     k, v projections and its residual): the backward kernel of that LayerNorm then sums
-    the four gradients instead of a separate pass.
+    the four gradients instead of a separate pass. ``decode=True``: self-attention on
+    ``attn``'s KV cache (``attn.init_cache(batch, max_len)`` first; see
+    `MultiHeadAttention`), as a causal language model decodes.
     """ + _DOC_ARGS
     _owner = "TransformerEncoderLayer"
     _cross = False
@@ -368,11 +360,13 @@ class TransformerEncoderLayer(_Block):
 
     def __call__(self, x, *, padding_mask=None, causal: bool = False,
                  deterministic: bool | None = None, rngs=None, output_copies: int = 1,
-                 seq_first: bool = False):
+                 seq_first: bool = False, decode: bool = False):
         x = self._check_copies(x, output_copies)
         self._check_tensor_axis(x, seq_first)
         det, (k_attn, k_r1, k_act, k_r2) = self._keys(deterministic, rngs, 4)
         attn_kw = dict(padding_mask=padding_mask, causal=causal, seq_first=seq_first)
+        if decode:
+            attn_kw["decode"] = True
         x = self._residual(self._attn_sub(self.attn, det, k_attn, **attn_kw), x, self.attn_ln, det, k_r1,
                            uses=self._qkv_uses, next_uses=2, seq_first=seq_first,
                            fused=self._attn_fused(self.attn, det, k_attn, **attn_kw))
@@ -463,8 +457,21 @@ def tensor_parallel_state(state, like):
     """``state`` (a module's ``nnx.State``) with each leaf reshaped to ``like``'s leaf at the
     same path: an unsplit model's parameters in the layout of the same model built with
     ``tensor_axis`` (``like``: its state; the fused projections' ``(hidden, parts *
-    hidden)`` kernels become ``(hidden, parts, hidden)``), or back. Values are unchanged."""
-    values = jax.tree.map(lambda a, b: a.reshape(b.shape), nnx.to_pure_dict(state), nnx.to_pure_dict(like))
+    hidden)`` kernels become ``(hidden, parts, hidden)``, a grouped-query ``qkv`` its
+    grouped layout, see `jax_ls2.nn.attention.grouped_qkv`), or back. Values are unchanged."""
+    def groups(tree):
+        return {path: v.get_metadata()["qkv_groups"] for path, v in nnx.to_flat_state(tree)
+                if isinstance(v, nnx.Variable) and "qkv_groups" in v.get_metadata()}
+    to_split, from_split = groups(like), groups(state)
+
+    def convert(path, a, b):
+        key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        if key in to_split and key not in from_split:
+            return grouped_qkv(a, to_split[key])
+        if key in from_split and key not in to_split:
+            return ungrouped_qkv(a, from_split[key])
+        return a.reshape(b.shape)
+    values = jax.tree_util.tree_map_with_path(convert, nnx.to_pure_dict(state), nnx.to_pure_dict(like))
     out = jax.tree.map(lambda a: a, like)
     nnx.replace_by_pure_dict(out, values)
     return out
