@@ -414,8 +414,10 @@ def test_layer_config_errors_name_the_constructor():
         nn.TransformerDecoderLayer(nn.LayerConfig(H, F, N), F, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="TransformerEncoderLayer: num_heads must be an int, got NoneType"):
         nn.TransformerEncoderLayer(H, F, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="TransformerEncoderLayer: epsilon must be a positive float, got 0"):
-        nn.TransformerEncoderLayer(H, F, N, epsilon=0, rngs=nnx.Rngs(0))
+    for bad in (0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"TransformerEncoderLayer: epsilon must be a positive finite Python "
+                                             f"float, got {bad}"):
+            nn.TransformerEncoderLayer(H, F, N, epsilon=bad, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError,
                        match="TransformerEncoderLayer: dtype must be a floating JAX dtype or None, got 'foo'"):
         nn.TransformerEncoderLayer(H, F, N, dtype="foo", rngs=nnx.Rngs(0))

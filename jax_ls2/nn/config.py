@@ -20,6 +20,7 @@ from jax_ls2._deprecation import renamed
 from jax_ls2.nn._common import (check_activation, check_fp8, check_heads, check_rate, check_sequence_axis,
                                 check_sequence_balance, check_tensor_parallel)
 from jax_ls2.nn.backend import BACKENDS
+from jax_ls2.ops._normalization import check_epsilon
 
 # jax_ls2's LayerNorm epsilon default (as PyTorch, LightSeq2 and Transformer Engine);
 # flax.nnx.LayerNorm's default is 1e-6.
@@ -152,8 +153,7 @@ def _checked(owner: str, f: dict) -> dict:
     for name in ("attn_dropout", "activation_dropout", "hidden_dropout"):
         f[name] = check_rate(owner, name, f[name])
     eps = f["epsilon"]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{owner}: epsilon must be a positive float, got {eps!r}")
+    check_epsilon(owner, eps)
     f["epsilon"] = float(eps)
     if f["attention_backend"] not in BACKENDS:
         raise ValueError(f"{owner}: attention_backend must be one of {BACKENDS}, got "

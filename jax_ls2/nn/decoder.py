@@ -43,6 +43,7 @@ from jax_ls2.nn.mlp import mlp_forward
 from jax_ls2.nn.rms_norm import RMSNorm
 from jax_ls2.nn.rope import RotaryConfig
 from jax_ls2.ops import dropout
+from jax_ls2.ops._normalization import check_epsilon
 from jax_ls2.ops.gated_act import GATED_ACTIVATIONS
 from jax_ls2.ops.rms_norm import RMS_EPSILON
 from jax_ls2.ops.rotary import RotaryScaling
@@ -131,8 +132,7 @@ class DecoderLayer(MultiHeadAttention):
             raise ValueError(f"{o}: unit_offset applies to norm='rms', got norm={norm!r}")
         if epsilon is None:
             epsilon = RMS_EPSILON if norm == "rms" else EPSILON
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-            raise ValueError(f"{o}: epsilon must be a positive float, got {epsilon!r}")
+        check_epsilon(o, epsilon)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{o}: attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         rotary = RotaryConfig(theta=float(rope_theta), rotary_dim=rotary_dim, scaling=rope_scaling,
