@@ -13,8 +13,7 @@ fresh subprocess so peak-memory figures do not mix. Timing: warm-up steps, then 
 of 5 steps enqueued back to back and timed to ``block_until_ready`` of the last; median,
 p20, p80 over the groups of ``--steps`` (>= 20) steps, per step. ``ls2-fp8`` runs the
 jax_ls2 model with its Transformer layers' weight GEMMs in FP8 (``DelayedScaling()``);
-its rows also carry ``speedup_vs_ls2``, over the bf16 jax_ls2 run; the LLaMA family has no
-FP8 layers, so ``ls2-fp8`` with a llama model is refused before anything runs.
+its rows also carry ``speedup_vs_ls2``, over the bf16 jax_ls2 run.
 MFU is against 790 TFLOP/s (H200 dense bf16) with analytic FLOPs (6 x matmul params x
 tokens, plus attention: 12 x layers x hidden x keys per query token, half under causal
 masks; for LLaMA, "hidden" in the attention term is heads x head_dim, and the matmul params
@@ -101,16 +100,6 @@ def batch_shape(name, quick, smoke, batch=None):
     if smoke:
         size, seq = 4, (0 if family == "vit" else 64)
     return batch or size, seq
-
-
-def check_fp8(names, impls):
-    """A message naming the models ``ls2-fp8`` cannot run (the LLaMA family has no FP8
-    layers), or None."""
-    llama = [n for n in names if MODELS[n][0] == "llama"]
-    if "ls2-fp8" in impls and llama:
-        return (f"--impls ls2-fp8: {', '.join(llama)} cannot run in FP8 (the LLaMA family's decoder layers "
-                "have no FP8 GEMMs); run them with --impls plain ls2")
-    return None
 
 
 def model_config(name, smoke):
@@ -345,9 +334,6 @@ def main(argv=None):
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch must be >= 1, got {args.batch}")
     names, impls = ([args.one[0]], [args.one[1]]) if args.one else (args.models, args.impls)
-    fp8_error = check_fp8(names, impls)
-    if fp8_error:
-        p.error(fp8_error)
     if args.one:
         from bench.common import backend
         result = run_one(*args.one, args.steps, args.warmup, args.quick, args.smoke, args.group, args.batch)

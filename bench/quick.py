@@ -39,7 +39,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = (("gpt2-small", ("plain", "ls2", "ls2-fp8")), ("bert-base-128", ("plain", "ls2", "ls2-fp8")),
-          ("llama-small", ("plain", "ls2")))
+          ("llama-small", ("plain", "ls2", "ls2-fp8")))
 TE_IMPLS = ("flax-bf16", "flax-fp8", "ls2-bf16", "ls2-fp8")
 TE_RATES = (0.0, 0.1)
 ATTENTION_ARGS = ["--head-dims", "128", "--lengths", "2048,8192", "--causal", "0,1", "--rates", "0",
